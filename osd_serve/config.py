@@ -1,0 +1,75 @@
+"""Typed configuration for the engine.
+
+Plain dataclasses inside the core; pydantic models at the YAML/HTTP boundary (deployments/) wrap these.
+Every check raises ``ValueError`` naming the field and the allowed range, so the HTTP layer can turn it
+into a 400 that names the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_SPECULATIVE_TOKENS = 16
+
+
+def _check(cond: bool, field_name: str, allowed: str, value: object) -> None:
+    if not cond:
+        raise ValueError(f"{field_name} must be {allowed}, got {value!r}")
+
+
+@dataclass
+class SamplingParams:
+    """Per-request generation settings. ``temperature == 0`` is greedy decoding."""
+
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0  # 0 disables
+    top_p: float = 1.0  # 1.0 disables
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+    # Draft tokens proposed per step for this request; 0 is plain decoding through the same path.
+    num_speculative_tokens: int = 4
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "an integer >= 1", self.max_tokens)
+        _check(self.temperature >= 0.0, "temperature", ">= 0", self.temperature)
+        _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "an integer >= 0 (0 disables)", self.top_k)
+        _check(0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]", self.top_p)
+        _check(
+            isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop) and len(self.stop) <= 16,
+            "stop",
+            "a list of at most 16 non-empty strings",
+            self.stop,
+        )
+        k = self.num_speculative_tokens
+        _check(
+            isinstance(k, int) and 0 <= k <= MAX_SPECULATIVE_TOKENS,
+            "num_speculative_tokens",
+            f"an integer in [0, {MAX_SPECULATIVE_TOKENS}]",
+            k,
+        )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class EngineConfig:
+    """Engine-wide settings."""
+
+    max_batch_size: int = 8
+    # The cache is compacted (holes left by rejected drafts squeezed out) once holes take more than this
+    # fraction of its columns; compaction is a full copy, so doing it every step would cost more than the
+    # attention over holes it saves.
+    compact_hole_fraction: float = 0.5
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.max_batch_size, int) and self.max_batch_size >= 1, "max_batch_size", "an integer >= 1", self.max_batch_size)
+        _check(0.0 < self.compact_hole_fraction <= 1.0, "compact_hole_fraction", "in (0, 1]", self.compact_hole_fraction)
+        _check(isinstance(self.max_model_len, int) and self.max_model_len >= 2, "max_model_len", "an integer >= 2", self.max_model_len)

@@ -1,0 +1,224 @@
+"""The speculative decoding engine: continuous batching around ``spec.speculative_step``.
+
+Requests wait in a queue; between steps, finished rows leave the batch and waiting ones are prefilled
+and join it. Every row keeps all of its own accepted tokens.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .config import EngineConfig, SamplingParams
+from .kv import BatchKV
+from .output import Completion, Request, StreamDelta
+from .spec import RowState, speculative_step
+
+
+@dataclass
+class StepStats:
+    """What one engine step did, as data (never parse logs for this)."""
+
+    batch_size: int
+    proposed: int  # draft tokens proposed, summed over rows
+    accepted: int  # draft tokens accepted, summed over rows
+    accepted_per_position: list[int]  # [k] rows whose j-th draft token was accepted
+    proposed_per_position: list[int]  # [k] rows that proposed a j-th draft token
+    emitted: int  # tokens added to outputs (accepted + one target token per row)
+    draft_time: float  # seconds in draft forwards
+    target_time: float  # seconds in the target forward and verification
+    prefill_time: float  # seconds prefilling requests that joined before this step
+
+
+def _max_len(model) -> int:
+    cfg = model.config
+    return getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 1 << 30
+
+
+class SpecEngine:
+    def __init__(self, target, draft, tokenizer, config: EngineConfig | None = None):
+        self.target, self.draft, self.tokenizer = target, draft, tokenizer
+        self.config = config or EngineConfig()
+        self.device = next(target.parameters()).device
+        self.vocab = target.get_output_embeddings().weight.shape[0]
+        eos = getattr(target.generation_config, "eos_token_id", None)
+        eos = eos if eos is not None else tokenizer.eos_token_id
+        self.eos_ids: set[int] = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        self.max_model_len = min(self.config.max_model_len, _max_len(target), _max_len(draft))
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._target_kv = BatchKV(target, 0, self.device)
+        self._draft_kv = BatchKV(draft, 0, self.device)
+        self._rows: RowState | None = None
+        self._ids = itertools.count()
+
+    # ---- requests -------------------------------------------------------------------------------
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        params.validate()
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+            text = self.tokenizer.decode(ids)
+        if not ids:
+            raise ValueError("prompt must contain at least one token")
+        if any(not 0 <= t < self.vocab for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab})")
+        budget = len(ids) + params.max_tokens + params.num_speculative_tokens
+        if budget > self.max_model_len:
+            raise ValueError(
+                f"prompt is too long: {len(ids)} prompt tokens + max_tokens {params.max_tokens} + "
+                f"num_speculative_tokens {params.num_speculative_tokens} exceeds max_model_len {self.max_model_len}"
+            )
+        rid = request_id or f"req-{next(self._ids)}"
+        gen = None
+        if not params.greedy:
+            gen = torch.Generator().manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
+        self.waiting.append(Request(rid, text, ids, params, gen))
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (e.g. its client disconnected); its row leaves the batch at the next step."""
+        for r in itertools.chain(self.waiting, self.running):
+            if r.request_id == request_id and not r.finished:
+                r.finish_reason = "abort"
+        self.waiting = deque(r for r in self.waiting if not r.finished)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ---------------------------------------------------------------------------------
+    def _admit(self) -> None:
+        room = self.config.max_batch_size - len(self.running)
+        new = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
+        if not new:
+            return
+        dev, b = self.device, len(new)
+        # Prefill all but the last prompt token: it is the first "last" token of the speculative loop.
+        width = max(len(r.prompt_ids) - 1 for r in new)
+        ids = torch.zeros(b, width, dtype=torch.long)
+        for i, r in enumerate(new):
+            ids[i, : len(r.prompt_ids) - 1] = torch.tensor(r.prompt_ids[:-1])
+        lens = torch.tensor([len(r.prompt_ids) - 1 for r in new])
+        valid = (torch.arange(width)[None, :] < lens[:, None]).to(dev)
+        ids = ids.to(dev)
+        tkv, dkv = BatchKV(self.target, b, dev), BatchKV(self.draft, b, dev)
+        if width:
+            tkv.forward(ids, valid)
+            if any(r.params.num_speculative_tokens for r in new):  # k=0 rows never read the draft
+                dkv.forward(ids, valid)
+        last = torch.tensor([r.prompt_ids[-1] for r in new], device=dev)
+        rows = RowState(
+            last=last,
+            pending=torch.stack([last, last], 1),
+            pending_n=torch.ones(b, dtype=torch.long, device=dev),
+            k=torch.tensor([r.params.num_speculative_tokens for r in new], device=dev),
+            temperature=torch.tensor([r.params.temperature for r in new], dtype=torch.float32, device=dev),
+            top_k=torch.tensor([r.params.top_k for r in new], device=dev),
+            top_p=torch.tensor([r.params.top_p for r in new], dtype=torch.float32, device=dev),
+        )
+        self._target_kv.extend(tkv)
+        self._draft_kv.extend(dkv)
+        if self._rows is None:
+            self._rows = rows
+        else:
+            self._rows.extend(rows)
+        self.running.extend(new)
+
+    def _uniforms(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-row uniforms from each request's own generator: u_draft [B, k], u_verify [B, k+1].
+        Greedy rows get constants: with one-hot p and q the accept rule never looks at them."""
+        u = torch.full((len(self.running), 2 * k + 1), 0.5)
+        for i, r in enumerate(self.running):
+            if r.generator is not None:
+                u[i] = torch.rand(2 * k + 1, generator=r.generator)
+        u = u.to(self.device)
+        return u[:, :k], u[:, k:]
+
+    def step(self) -> tuple[list[StreamDelta], StepStats | None]:
+        """Admit waiting requests, run one speculative step, return the new output of every row."""
+        t0 = time.perf_counter()
+        self._drop_finished()
+        self._admit()
+        prefill = time.perf_counter() - t0
+        if not self.running:
+            return [], None
+        rows = self._rows
+        k = max(r.params.num_speculative_tokens for r in self.running)
+        u_draft, u_verify = self._uniforms(k)
+        out = speculative_step(self._target_kv, self._draft_kv, rows, self.vocab, u_draft, u_verify)
+        tokens, n_acc, k_rows = out.tokens.tolist(), out.num_accepted.tolist(), rows.k.tolist()
+        acc_pos, prop_pos = [0] * k, [0] * k
+        emitted = 0
+        for r, toks, a, kr in zip(self.running, tokens, n_acc, k_rows):
+            if r.finished:  # aborted mid-step
+                continue
+            r.proposed += kr
+            r.accepted += a
+            r.steps += 1
+            before = len(r.output_ids)
+            r.append(toks[: a + 1], self.tokenizer, self.eos_ids)
+            emitted += len(r.output_ids) - before
+            for j in range(kr):
+                prop_pos[j] += 1
+                acc_pos[j] += j < a
+        deltas = [r.delta() for r in self.running]
+        stats = StepStats(
+            len(self.running), sum(k_rows), sum(n_acc), acc_pos, prop_pos, emitted, out.draft_time, out.target_time, prefill
+        )
+        self._drop_finished()
+        for kv in (self._target_kv, self._draft_kv):
+            if kv.hole_fraction() > self.config.compact_hole_fraction:
+                kv.compact()
+        return deltas, stats
+
+    def _drop_finished(self) -> None:
+        keep = [i for i, r in enumerate(self.running) if not r.finished]
+        if len(keep) == len(self.running):
+            return
+        if not keep:  # start the next batch from fresh caches rather than zero-row ones
+            self._target_kv = BatchKV(self.target, 0, self.device)
+            self._draft_kv = BatchKV(self.draft, 0, self.device)
+            self._rows, self.running = None, []
+            return
+        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
+        self._target_kv.select(idx)
+        self._draft_kv.select(idx)
+        self._rows.select(idx)
+        self.running = [self.running[i] for i in keep]
+
+    # ---- drivers ----------------------------------------------------------------------------------
+    def submit(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Request]:
+        """Queue prompts (one SamplingParams for all, or one each); returns their Request objects."""
+        plist = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError("params must be one SamplingParams or one per prompt")
+        reqs = []
+        for p, sp in zip(prompts, plist):
+            self.add_request(p, sp)
+            reqs.append(self.waiting[-1])
+        return reqs
+
+    def stream(self, prompts, params=None) -> Iterator[StreamDelta]:
+        """Run prompts to completion with continuous batching, yielding deltas as tokens are accepted."""
+        self.submit(prompts, params)
+        while self.has_unfinished():
+            deltas, _ = self.step()
+            yield from (d for d in deltas if d.token_ids or d.text or d.finished)
+
+    def generate(self, prompts, params=None, stats: list | None = None) -> list[Completion]:
+        """Run prompts to completion; one Completion per prompt, in order.
+        ``stats``, when given a list, receives each step's StepStats."""
+        reqs = self.submit(prompts, params)
+        while self.has_unfinished():
+            _, st = self.step()
+            if st is not None and stats is not None:
+                stats.append(st)
+        return [r.completion() for r in reqs]

@@ -1,0 +1,137 @@
+"""A batch of sequences sharing one Hugging Face ``DynamicCache``, each row with its own length.
+
+Why holes: speculative decoding appends k+1 columns to every row per step, but each row keeps a
+different number of them. Instead of cutting the batch to its shortest acceptance, or copying the
+cache every step, rejected columns stay in place as *holes*: they are masked out of attention by the 2D
+attention mask, and every row carries explicit ``position_ids`` so its logical positions stay
+contiguous. Transformers builds the causal mask from the physical cache length, so holes are
+invisible to the model (checked to float precision in tests/test_kv.py). Once holes take more than a
+set fraction of the columns, :meth:`BatchKV.compact` squeezes them out with one gather per layer.
+
+Rows are right-aligned after compaction and merges (holes on the left), and prompts are right-padded,
+so no query row is ever fully masked.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+
+class BatchKV:
+    def __init__(self, model, batch_size: int, device: torch.device):
+        self.model = model
+        self.cache: DynamicCache | None = None
+        # Logical position of each cache column, -1 for a hole.
+        self.col_pos = torch.full((batch_size, 0), -1, dtype=torch.long, device=device)  # [B, P]
+        # Next logical position per row = number of valid columns (they are always 0..n-1).
+        self.length = torch.zeros(batch_size, dtype=torch.long, device=device)  # [B]
+
+    @property
+    def batch_size(self) -> int:
+        return self.col_pos.shape[0]
+
+    @property
+    def width(self) -> int:
+        return self.col_pos.shape[1]
+
+    @property
+    def valid(self) -> torch.Tensor:
+        return self.col_pos >= 0  # [B, P]
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, input_valid: torch.Tensor) -> torch.Tensor:
+        """Append ``input_ids`` to every row and return the logits.
+
+        input_ids   [B, T] int64; invalid entries are padding (any id) and become holes.
+        input_valid [B, T] bool; the valid entries of a row must come first (right padding).
+        returns     [B, T, V] logits.
+        """
+        if self.cache is None:
+            self.cache = DynamicCache(config=self.model.config)
+        offs = input_valid.long().cumsum(1) - 1  # [B, T]
+        pos = self.length[:, None] + offs.clamp_min(0)  # [B, T]
+        mask = torch.cat([self.valid, input_valid], dim=1)  # [B, P+T]
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=mask.long(),
+            position_ids=pos,
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        self.col_pos = torch.cat([self.col_pos, torch.where(input_valid, pos, -1)], dim=1)
+        self.length = self.length + input_valid.long().sum(1)
+        return out.logits
+
+    def truncate(self, lengths: torch.Tensor) -> None:
+        """Roll each row back to ``lengths[b]`` tokens: columns at positions >= it become holes. [B]"""
+        self.col_pos = torch.where(self.col_pos >= lengths[:, None], -1, self.col_pos)
+        self.length = torch.minimum(self.length, lengths)
+
+    def hole_fraction(self) -> float:
+        if self.width == 0 or self.batch_size == 0:
+            return 0.0
+        return 1.0 - float(self.length.max()) / self.width
+
+    def _layers(self):
+        return self.cache.layers if self.cache is not None else []
+
+    def compact(self) -> None:
+        """Squeeze holes out: keep each row's valid columns in order, right-aligned, width = max length."""
+        new_width = int(self.length.max()) if self.batch_size else 0
+        # Stable sort on validity moves holes first and keeps valid columns in their order.
+        order = torch.argsort(self.valid.to(torch.int8), dim=1, stable=True)[:, self.width - new_width :]  # [B, P']
+        self.col_pos = torch.gather(self.col_pos, 1, order)
+        for layer in self._layers():
+            idx = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
+            layer.keys = torch.gather(layer.keys, 2, idx)
+            layer.values = torch.gather(layer.values, 2, idx)
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only ``rows`` (indices into the batch), in that order. [B']"""
+        self.col_pos = self.col_pos[rows]
+        self.length = self.length[rows]
+        for layer in self._layers():
+            layer.keys = layer.keys[rows]
+            layer.values = layer.values[rows]
+        if self.batch_size and self.hole_fraction() > 0.5:
+            self.compact()  # the rows that left may have been the longest
+
+    def extend(self, other: "BatchKV") -> None:
+        """Append the rows of ``other`` (same model) below these, left-padding the narrower with holes."""
+        width = max(self.width, other.width)
+        base = self.cache if self.cache is not None else other.cache
+        if base is not None:
+            n = len(base.layers)
+            mine = self._layers() or [None] * n
+            theirs = other._layers() or [None] * n
+            for layer, a, b in zip(base.layers, mine, theirs):
+                ka, va = (a.keys, a.values) if a is not None else (None, None)
+                kb, vb = (b.keys, b.values) if b is not None else (None, None)
+                keys = _stack_rows(ka, kb, self.batch_size, other.batch_size, width)
+                values = _stack_rows(va, vb, self.batch_size, other.batch_size, width)
+                layer.keys, layer.values = keys, values
+            self.cache = base
+        self.col_pos = torch.cat([_pad_left(self.col_pos, width, -1), _pad_left(other.col_pos, width, -1)], dim=0)
+        self.length = torch.cat([self.length, other.length])
+
+
+def _stack_rows(a: torch.Tensor | None, b: torch.Tensor | None, rows_a: int, rows_b: int, width: int) -> torch.Tensor:
+    """Stack two [B, H, P, D] caches along the batch; a missing one (rows with no columns yet) is all holes."""
+    ref = a if a is not None else b
+
+    def part(t: torch.Tensor | None, rows: int) -> torch.Tensor:
+        return ref.new_zeros(rows, ref.shape[1], width, ref.shape[3]) if t is None else _pad_left(t, width)
+
+    return torch.cat([part(a, rows_a), part(b, rows_b)], dim=0)
+
+
+def _pad_left(t: torch.Tensor, width: int, value: int = 0) -> torch.Tensor:
+    """Left-pad the sequence dim (dim 2 for [B, H, P, D] caches, dim 1 for [B, P]) to ``width``."""
+    dim = 2 if t.dim() == 4 else 1
+    missing = width - t.shape[dim]
+    if missing == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t.new_full(shape, value), t], dim=dim)

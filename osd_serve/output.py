@@ -1,0 +1,110 @@
+"""Request state on the host: accepted tokens, stop conditions, incremental text for streaming."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import SamplingParams
+
+
+@dataclass
+class Completion:
+    """What a finished (or streaming) request returns. ``token_ids`` are generated ids only."""
+
+    request_id: str
+    prompt: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    proposed: int = 0  # draft tokens proposed for this request
+    accepted: int = 0  # draft tokens the target accepted
+    steps: int = 0  # target forwards spent on this request (decode steps)
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return len(self.token_ids) / self.steps if self.steps else 0.0
+
+
+@dataclass
+class StreamDelta:
+    request_id: str
+    text: str  # new text since the last delta
+    token_ids: list[int]  # new token ids since the last delta
+    finished: bool
+    finish_reason: str | None
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    proposed: int = 0
+    accepted: int = 0
+    steps: int = 0
+    _sent_ids: int = 0  # how many output ids / chars were already streamed
+    _sent_chars: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append(self, new_ids: list[int], tokenizer, eos_ids: set[int]) -> None:
+        """Append accepted tokens one by one, stopping at EOS, max_tokens or a stop string."""
+        p = self.params
+        for t in new_ids:
+            self.output_ids.append(t)
+            if t in eos_ids and not p.ignore_eos:
+                self.finish_reason = "stop"
+                break
+            if len(self.output_ids) >= p.max_tokens:
+                self.finish_reason = "length"
+                break
+        # EOS is kept in token_ids (as HF generate does) but never rendered as text.
+        ids = self.output_ids[:-1] if self.finish_reason == "stop" else self.output_ids
+        self.text = tokenizer.decode(ids, skip_special_tokens=True)
+        for s in p.stop:
+            at = self.text.find(s)
+            if at >= 0:
+                self.text = self.text[:at]
+                self.finish_reason = "stop"
+
+    def delta(self) -> StreamDelta:
+        """New text since the last delta. Holds back text that may still become a stop string or is an
+        incomplete UTF-8 sequence, so a stream never shows what the final text will not contain."""
+        end = len(self.text)
+        if not self.finished:
+            if self.text.endswith("\ufffd"):
+                end -= 1
+            for s in self.params.stop:
+                for n in range(min(len(s) - 1, end), 0, -1):
+                    if self.text[:end].endswith(s[:n]):
+                        end -= n
+                        break
+        end = max(end, self._sent_chars)
+        d = StreamDelta(
+            self.request_id,
+            self.text[self._sent_chars : end],
+            self.output_ids[self._sent_ids :],
+            self.finished,
+            self.finish_reason,
+        )
+        self._sent_chars, self._sent_ids = end, len(self.output_ids)
+        return d
+
+    def completion(self) -> Completion:
+        return Completion(
+            self.request_id, self.prompt, self.text, list(self.output_ids), self.finish_reason,
+            self.proposed, self.accepted, self.steps,
+        )

@@ -1,0 +1,139 @@
+"""One speculative decoding step over a batch: propose, verify, accept, roll back, record.
+
+The invariant between steps, for every row with N tokens so far (prompt + output):
+  * the target cache holds positions 0..N-2; the last token ``rows.last`` is pending for the target;
+  * the draft cache holds positions 0..N-1-m; its m pending tokens (1 or 2) are in ``rows.pending``.
+Both hold because the prompt is prefilled without its last token (see engine.py).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, fields
+
+import torch
+
+from kernels import verify
+
+from .kv import BatchKV
+from .sampling import logits_to_probs, sample_from_probs
+
+
+@dataclass
+class RowState:
+    """Per-row tensors of the running batch, kept aligned with the rows of both caches."""
+
+    last: torch.Tensor  # [B] int64  last token, pending for the target
+    pending: torch.Tensor  # [B, 2] int64  tokens not yet in the draft cache (right-padded)
+    pending_n: torch.Tensor  # [B] int64  how many of them are real (1 or 2)
+    k: torch.Tensor  # [B] int64  draft tokens per step for each row
+    temperature: torch.Tensor  # [B] float32
+    top_k: torch.Tensor  # [B] int64
+    top_p: torch.Tensor  # [B] float32
+
+    def select(self, rows: torch.Tensor) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name)[rows])
+
+    def extend(self, other: "RowState") -> None:
+        for f in fields(self):
+            setattr(self, f.name, torch.cat([getattr(self, f.name), getattr(other, f.name)]))
+
+
+@dataclass
+class StepOutput:
+    tokens: torch.Tensor  # [B, k+1] int64, -1 padded: accepted draft tokens then one target token
+    num_accepted: torch.Tensor  # [B] int64 accepted draft tokens; each row emits num_accepted + 1
+    # Kept for the replay buffer (online distillation): the target's distributions come for free here.
+    draft_tokens: torch.Tensor  # [B, k]
+    target_probs: torch.Tensor  # [B, k+1, V]
+    draft_probs: torch.Tensor  # [B, k, V]
+    draft_time: float
+    target_time: float
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _probs(logits: torch.Tensor, rows: RowState, vocab: int) -> torch.Tensor:
+    """Process [B, T, V'] logits with each row's params into [B, T, vocab] probs (same rule for p and q)."""
+    b, t, v = logits.shape
+    if v < vocab:  # a draft with a smaller embedding never proposes the missing ids: q = 0 there
+        logits = torch.nn.functional.pad(logits, (0, vocab - v), value=float("-inf"))
+    flat = logits[..., :vocab].reshape(b * t, vocab)
+    probs = logits_to_probs(
+        flat,
+        rows.temperature.repeat_interleave(t),
+        rows.top_k.repeat_interleave(t),
+        rows.top_p.repeat_interleave(t),
+    )
+    return probs.view(b, t, vocab)
+
+
+def propose(draft: BatchKV, rows: RowState, k: int, vocab: int, u_draft: torch.Tensor):
+    """The draft proposes k tokens per row, autoregressively on its own cache.
+
+    u_draft [B, k] uniforms for sampling each proposal (ignored by greedy rows: their q is one-hot).
+    returns draft_tokens [B, k] int64, draft_probs [B, k, V] float32.
+    """
+    active = rows.k > 0  # [B] rows with k=0 never read their draft, so their cache is not fed
+    steps = torch.arange(2, device=rows.k.device)
+    inp, inp_valid = rows.pending, (steps[None, :] < rows.pending_n[:, None]) & active[:, None]  # [B, 2]
+    tokens, probs = [], []
+    for j in range(k):
+        logits = draft.forward(inp, inp_valid)  # [B, T, V']
+        last = (inp_valid.long().sum(1) - 1).clamp_min(0)  # [B] index of each row's last real input
+        q = _probs(logits[torch.arange(len(last)), last][:, None], rows, vocab)[:, 0]  # [B, V]
+        x = sample_from_probs(q, u_draft[:, j])  # [B]
+        tokens.append(x)
+        probs.append(q)
+        inp, inp_valid = x[:, None], (j + 1 < rows.k)[:, None]
+    return torch.stack(tokens, 1), torch.stack(probs, 1)
+
+
+def speculative_step(
+    target: BatchKV, draft: BatchKV, rows: RowState, vocab: int, u_draft: torch.Tensor, u_verify: torch.Tensor
+) -> StepOutput:
+    """u_draft [B, k], u_verify [B, k+1]: per-row uniforms drawn from each request's own generator."""
+    k = u_draft.shape[1]
+    device = rows.last.device
+    b = rows.last.shape[0]
+    n_before = target.length.clone()  # [B] = N-1
+
+    # 1. propose
+    t0 = time.perf_counter()
+    if k > 0:
+        draft_tokens, draft_probs = propose(draft, rows, k, vocab, u_draft)
+    else:
+        draft_tokens = torch.empty(b, 0, dtype=torch.long, device=device)
+        draft_probs = torch.empty(b, 0, vocab, device=device)
+    _sync(device)
+    t1 = time.perf_counter()
+
+    # 2. verify: one target forward over [last, d_1..d_k]; positions past a row's own k are padding
+    inp = torch.cat([rows.last[:, None], draft_tokens], 1)  # [B, k+1]
+    inp_valid = torch.arange(k + 1, device=device)[None, :] <= rows.k[:, None]  # [B, k+1]
+    target_probs = _probs(target.forward(inp, inp_valid), rows, vocab)  # [B, k+1, V]
+
+    # 3. accept (pure function in kernels/)
+    tokens, num_accepted = verify(target_probs, draft_probs, draft_tokens, rows.k, u_verify)
+    _sync(device)
+    t2 = time.perf_counter()
+
+    # 4. roll back both caches to the accepted prefix: N-1 + 1 (last) + accepted
+    keep = n_before + 1 + num_accepted
+    target.truncate(keep)
+    if k > 0:
+        draft.truncate(keep)
+    new_last = tokens.gather(1, num_accepted[:, None])[:, 0]  # [B] the corrected or bonus token
+    # If a row accepted all its k_i drafts, the draft never saw d_{k_i} (proposed, not fed): pending too.
+    all_in = (num_accepted == rows.k) & (rows.k > 0)  # [B]
+    d_last = draft_tokens.gather(1, (rows.k - 1).clamp_min(0)[:, None])[:, 0] if k > 0 else new_last  # [B]
+    rows.pending = torch.stack([torch.where(all_in, d_last, new_last), new_last], 1)
+    rows.pending_n = torch.where(all_in, 2, 1)
+    rows.last = new_last
+
+    # 5. record
+    return StepOutput(tokens, num_accepted, draft_tokens, target_probs, draft_probs, t1 - t0, t2 - t1)
