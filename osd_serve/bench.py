@@ -1,0 +1,169 @@
+"""`osd-serve bench`: this engine against the target alone and HF assisted generation, one run.
+
+Every decoder gets the same pair, prompts, max_tokens and greedy decoding; speedups are ratios of
+tokens/s measured in the same process, so machine speed cancels out.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from tqdm import tqdm
+
+from .config import EngineConfig, SamplingParams
+from .engine import SpecEngine
+from .kv import BatchKV
+
+
+def analytic_speedup(alpha: float, k: int, c: float) -> float:
+    """S = (1 - α^(k+1)) / ((1 - α)(k·c + 1)), Leviathan et al.; α=1 is the limit (k+1)/(k·c+1)."""
+    tokens = k + 1 if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return tokens / (k * c + 1)
+
+
+@torch.inference_mode()
+def forward_cost(model, batch: int, context: int, vocab: int, device, repeats: int = 30) -> float:
+    """Median seconds of one decode forward (1 new token per row) over a KV cache of ``context`` tokens."""
+    kv = BatchKV(model, batch, device)
+    ctx = torch.randint(0, vocab, (batch, context), device=device)
+    kv.forward(ctx, torch.ones_like(ctx, dtype=torch.bool))
+    one = torch.ones(batch, 1, dtype=torch.bool, device=device)
+    times = []
+    for i in range(repeats + 3):
+        tok = torch.randint(0, vocab, (batch, 1), device=device)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        kv.forward(tok, one)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i >= 3:  # warm-up
+            times.append(time.perf_counter() - t0)
+        kv.truncate(kv.length - 1)  # keep the context length fixed
+        kv.compact()
+    return statistics.median(times)
+
+
+@dataclass
+class DecoderResult:
+    name: str
+    batch_size: int
+    tokens: int
+    seconds: float
+    k: int | None = None
+    alpha: float | None = None  # accepted / proposed draft tokens
+    tokens_per_target_forward: float | None = None
+    analytic_speedup: float | None = None
+    outputs_match_target: int | None = None  # prompts whose output equals the target-alone output
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+
+def _hf_generate(model, tok, prompts: list[list[int]], max_tokens: int, batch: int, assistant=None) -> list[list[int]]:
+    """HF generate, greedy. Assisted generation only supports batch 1 in transformers, so it runs per prompt."""
+    outs: list[list[int]] = []
+    step = 1 if assistant is not None else batch
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    for i in range(0, len(prompts), step):
+        chunk = prompts[i : i + step]
+        width = max(map(len, chunk))
+        # Left padding, as HF batched generation requires.
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=model.device)
+        kw = dict(max_new_tokens=max_tokens, do_sample=False, pad_token_id=pad, attention_mask=mask)
+        if assistant is not None:
+            kw["assistant_model"] = assistant
+        gen = model.generate(ids, **kw)[:, width:]
+        for row in gen.tolist():
+            eos = model.generation_config.eos_token_id
+            eos = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
+            cut = next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
+            outs.append(row[:cut])
+    return outs
+
+
+def _timed(fn):
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+def run_bench(target, draft, tok, prompts: list[str], max_tokens: int = 64, batch_sizes=(1, 8), ks=range(1, 9), log=print) -> dict:
+    device = next(target.parameters()).device
+    vocab = target.get_output_embeddings().weight.shape[0]
+    ids = [tok.encode(p) for p in prompts]
+    ctx = int(statistics.median(map(len, ids))) + max_tokens // 2
+    results: list[DecoderResult] = []
+    summary = {}
+    # Warm-up every path once so lazy initialisation is not timed.
+    _hf_generate(target, tok, ids[:1], 4, 1)
+    _hf_generate(target, tok, ids[:1], 4, 1, assistant=draft)
+    SpecEngine(target, draft, tok).generate(ids[:1], SamplingParams(max_tokens=4))
+    for bs in batch_sizes:
+        c = forward_cost(draft, bs, ctx, vocab, device) / forward_cost(target, bs, ctx, vocab, device)
+        ref, t_a = _timed(lambda: _hf_generate(target, tok, ids, max_tokens, bs))
+        a = DecoderResult("target_alone_hf", bs, sum(map(len, ref)), t_a)
+        hf_asst, t_b = _timed(lambda: _hf_generate(target, tok, ids, max_tokens, bs, assistant=draft))
+        b = DecoderResult("hf_assisted", bs, sum(map(len, hf_asst)), t_b, outputs_match_target=sum(x == y for x, y in zip(hf_asst, ref)))
+        results += [a, b]
+        log(f"[batch {bs}] c={c:.3f}  target alone {a.tokens_per_s:.1f} tok/s  HF assisted {b.tokens_per_s:.1f} tok/s")
+        per_k = {}
+        for k in tqdm(list(ks) + [0], desc=f"engine k=1..{max(ks)},0 batch {bs}"):
+            eng = SpecEngine(target, draft, tok, EngineConfig(max_batch_size=bs))
+            stats: list = []
+            outs, t_c = _timed(lambda: eng.generate(ids, SamplingParams(max_tokens=max_tokens, num_speculative_tokens=k), stats=stats))
+            proposed, accepted = sum(s.proposed for s in stats), sum(s.accepted for s in stats)
+            row_steps = sum(s.batch_size for s in stats)
+            alpha = accepted / proposed if proposed else None
+            r = DecoderResult(
+                "engine" if k else "engine_k0", bs, sum(len(o.token_ids) for o in outs), t_c, k=k, alpha=alpha,
+                tokens_per_target_forward=sum(s.emitted for s in stats) / row_steps,
+                analytic_speedup=analytic_speedup(alpha, k, c) if k else 1.0,
+                outputs_match_target=sum(o.token_ids == y for o, y in zip(outs, ref)),
+            )
+            results.append(r)
+            per_k[k] = r
+        best = max((per_k[k] for k in ks), key=lambda r: r.tokens_per_s)
+        k0 = per_k[0]
+        summary[f"batch_{bs}"] = {
+            "c": c,
+            "target_alone_tok_s": a.tokens_per_s,
+            "engine_k0_tok_s": k0.tokens_per_s,
+            "hf_assisted_tok_s": b.tokens_per_s,
+            "best_k": best.k,
+            "best_engine_tok_s": best.tokens_per_s,
+            "alpha_at_best_k": best.alpha,
+            "speedup_vs_target_alone": best.tokens_per_s / a.tokens_per_s,
+            "speedup_vs_engine_k0": best.tokens_per_s / k0.tokens_per_s,
+            "speedup_vs_hf_assisted": best.tokens_per_s / b.tokens_per_s,
+            "analytic_speedup_at_best_k": best.analytic_speedup,
+            # measured over analytic, with the plain-decoding baseline of the same loop (k=0)
+            "measured_over_analytic": (best.tokens_per_s / k0.tokens_per_s) / best.analytic_speedup,
+            "per_k": {
+                k: {
+                    "tok_s": r.tokens_per_s, "alpha": r.alpha, "tokens_per_target_forward": r.tokens_per_target_forward,
+                    "analytic_speedup": r.analytic_speedup, "speedup_vs_target_alone": r.tokens_per_s / a.tokens_per_s,
+                    "speedup_vs_hf_assisted": r.tokens_per_s / b.tokens_per_s,
+                    "measured_over_analytic": (r.tokens_per_s / k0.tokens_per_s) / r.analytic_speedup,
+                    "outputs_match_target": r.outputs_match_target,
+                }
+                for k, r in per_k.items() if k
+            },
+        }
+        log(json.dumps({f"batch_{bs}": {k: v for k, v in summary[f"batch_{bs}"].items() if k != "per_k"}}, indent=1))
+    return {
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "prompts": len(prompts),
+        "max_tokens": max_tokens,
+        "target_params": sum(p.numel() for p in target.parameters()),
+        "draft_params": sum(p.numel() for p in draft.parameters()),
+        "summary": summary,
+        "results": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in results],
+    }
