@@ -1,0 +1,84 @@
+"""Tiny models and a tokenizer built in code, seeded: no download, seconds to build."""
+
+from __future__ import annotations
+
+import os
+import string
+
+# Never let a test reach for the Hub: a hub id must fail at once with our error, not hang on a network.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import pytest
+import torch
+
+CHARS = string.ascii_letters + string.digits + " .,:;()[]=+-*/_'\"\n"
+
+
+def char_tokenizer():
+    """A real PreTrainedTokenizerFast over single characters, with <eos> and <pad>."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2} | {c: i + 3 for i, c in enumerate(CHARS)}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    from tokenizers import decoders
+
+    tk.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
+
+
+def _finish(model, eos_id):
+    model.generation_config.eos_token_id = eos_id
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def llama(vocab: int, hidden: int = 64, layers: int = 2, seed: int = 0, eos_id=None):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    # initializer_range 0.3 (not 0.02) gives peaked logits, so greedy near-ties are rare.
+    cfg = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3, max_position_embeddings=256,
+        attn_implementation="sdpa", bos_token_id=None, eos_token_id=eos_id, pad_token_id=0,
+    )
+    return _finish(LlamaForCausalLM(cfg), eos_id)
+
+
+def gpt2(vocab: int, hidden: int = 64, layers: int = 2, seed: int = 0, eos_id=None):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(
+        vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=4, n_positions=256, initializer_range=0.3,
+        attn_implementation="sdpa", bos_token_id=None, eos_token_id=eos_id, pad_token_id=0,
+    )
+    return _finish(GPT2LMHeadModel(cfg), eos_id)
+
+
+def perturbed(model, noise: float, seed: int = 1):
+    """A draft that agrees with the target often but not always: every weight plus Gaussian noise."""
+    import copy
+
+    d = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * noise)
+    return d
+
+
+@pytest.fixture(scope="session")
+def tok():
+    return char_tokenizer()
+
+
+@pytest.fixture(scope="session", params=["llama", "gpt2"])
+def pair(request, tok):
+    """(arch, target, draft) with a partially agreeing draft, and no EOS so lengths are fixed."""
+    build = llama if request.param == "llama" else gpt2
+    target = build(len(tok), seed=0)
+    return request.param, target, perturbed(target, 0.015)
