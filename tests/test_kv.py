@@ -1,0 +1,62 @@
+"""Cache rollback: after rejections, each row's cache equals a fresh forward over its accepted tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from osd_serve.config import EngineConfig, SamplingParams
+from osd_serve.engine import SpecEngine
+from tests.conftest import llama, perturbed
+
+
+def _row_cache(kv, row: int, layer: int) -> torch.Tensor:
+    """The valid columns of one row, in logical order. [H, n, D]"""
+    pos = kv.col_pos[row]
+    cols = torch.nonzero(pos >= 0)[:, 0]
+    cols = cols[torch.argsort(pos[cols])]
+    assert torch.equal(pos[cols], torch.arange(len(cols))), "valid positions must be exactly 0..n-1"
+    return kv.cache.layers[layer].keys[row][:, cols]
+
+
+@torch.inference_mode()
+def _fresh(model, ids: list[int], layer: int) -> torch.Tensor:
+    out = model(torch.tensor([ids]), use_cache=True)
+    return out.past_key_values.layers[layer].keys[0]  # [H, n, D]
+
+
+def test_caches_match_fresh_forward_after_every_step(tok):
+    target = llama(len(tok), layers=3, seed=5)
+    draft = perturbed(target, 0.02)
+    prompts = [[5 + i] * (1 + 3 * i) for i in range(5)]
+    # compact rarely, so holes pile up and both the hole path and compaction get checked
+    eng = SpecEngine(target, draft, tok, EngineConfig(max_batch_size=5, compact_hole_fraction=0.8))
+    eng.submit(prompts, [SamplingParams(max_tokens=24, num_speculative_tokens=k, ignore_eos=True) for k in (1, 3, 4, 5, 8)])
+    rejections = holes_seen = 0
+    while eng.has_unfinished():
+        _, st = eng.step()
+        rejections += st.proposed - st.accepted
+        holes_seen += eng._target_kv.hole_fraction() > 0
+        for i, r in enumerate(eng.running):
+            seq = r.prompt_ids + r.output_ids
+            for layer in (0, 2):
+                # target holds everything but the last token; the draft everything but its pending ones
+                assert torch.allclose(_row_cache(eng._target_kv, i, layer), _fresh(target, seq[:-1], layer), atol=1e-5)
+                n = int(eng._draft_kv.length[i])
+                assert n == len(seq) - int(eng._rows.pending_n[i])
+                assert torch.allclose(_row_cache(eng._draft_kv, i, layer), _fresh(draft, seq[:n], layer), atol=1e-5)
+    assert rejections > 10 and holes_seen > 0
+
+
+def test_compaction_keeps_content(tok):
+    target = llama(len(tok), seed=6)
+    eng = SpecEngine(target, perturbed(target, 0.02), tok, EngineConfig(max_batch_size=3, compact_hole_fraction=1.0))
+    eng.submit([[7] * 3, [8] * 9, [9]], SamplingParams(max_tokens=10, num_speculative_tokens=6, ignore_eos=True))
+    eng.step()
+    eng.step()
+    kv = eng._target_kv
+    before = [_row_cache(kv, i, 1).clone() for i in range(3)]
+    width = kv.width
+    kv.compact()
+    assert kv.width == int(kv.length.max()) < width
+    for i in range(3):
+        assert torch.equal(_row_cache(kv, i, 1), before[i])
