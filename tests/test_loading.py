@@ -1,0 +1,90 @@
+"""Loading through the real from_pretrained path, on tiny models saved in a temp dir."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from osd_serve.config import SamplingParams
+from osd_serve.engine import SpecEngine
+from osd_serve.loading import ModelConfig, attention_backend, load_pair
+from tests.conftest import char_tokenizer, llama
+
+
+@pytest.fixture(scope="module")
+def saved_pair(tmp_path_factory, tok):
+    root = tmp_path_factory.mktemp("pair")
+    target, draft = llama(len(tok), seed=0), llama(len(tok), hidden=32, layers=1, seed=1)
+    for name, m in (("target", target), ("draft", draft)):
+        m.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+    return root, target
+
+
+def test_load_pair_from_directories(saved_pair):
+    root, original = saved_pair
+    target, draft, tok = load_pair(ModelConfig(target=str(root / "target"), draft=str(root / "draft"), device="cpu"))
+    assert target.dtype == torch.float32 and target.config._attn_implementation == "sdpa"
+    ids = torch.tensor([[5, 6, 7]])
+    assert torch.allclose(target(ids).logits, original(ids).logits)
+    out = SpecEngine(target, draft, tok).generate(["abc"], SamplingParams(max_tokens=5, ignore_eos=True))[0]
+    assert len(out.token_ids) == 5
+
+
+def test_dtype_from_config(saved_pair):
+    root, _ = saved_pair
+    target, _, _ = load_pair(ModelConfig(target=str(root / "target"), draft=str(root / "draft"), device="cpu", dtype="bfloat16"))
+    assert target.dtype == torch.bfloat16
+
+
+def test_unreachable_hub_id_is_named(saved_pair):
+    root, _ = saved_pair
+    with pytest.raises(ValueError, match="no-such-org/no-such-model"):
+        load_pair(ModelConfig(target="no-such-org/no-such-model", draft=str(root / "draft"), device="cpu"))
+
+
+def test_different_vocabularies_are_refused(saved_pair, tmp_path):
+    root, _ = saved_pair
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.WordLevel({"<unk>": 0, "a": 1, "b": 2}, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    other = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>")
+    llama(3, hidden=32, layers=1).save_pretrained(tmp_path / "d")
+    other.save_pretrained(tmp_path / "d")
+    with pytest.raises(ValueError, match="do not share a vocabulary"):
+        load_pair(ModelConfig(target=str(root / "target"), draft=str(tmp_path / "d"), device="cpu"))
+
+
+def test_bad_config_values_name_the_field():
+    with pytest.raises(ValueError, match="dtype"):
+        ModelConfig(target="t", draft="d", dtype="float8")
+    with pytest.raises(ValueError, match="attn_implementation"):
+        ModelConfig(target="t", draft="d", attn_implementation="magic")
+
+
+def test_attention_backend_on_cpu_is_sdpa():
+    assert attention_backend(torch.device("cpu")) == "sdpa"
+
+
+def test_lora_adapter_attaches_from_safetensors_and_pickle_is_refused(saved_pair, tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    root, _ = saved_pair
+    base = llama(len(char_tokenizer()), hidden=32, layers=1, seed=1)
+    lora = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    lora.save_pretrained(tmp_path / "expert")  # safetensors by default
+    assert (tmp_path / "expert" / "adapter_model.safetensors").is_file()
+    cfg = ModelConfig(target=str(root / "target"), draft=str(root / "draft"), device="cpu", draft_adapters={"code": str(tmp_path / "expert")})
+    _, draft, _ = load_pair(cfg)
+    assert "code" in draft.peft_config
+    # A directory with only a pickled adapter is refused before torch.load can run.
+    (tmp_path / "pickled").mkdir()
+    (tmp_path / "pickled" / "adapter_config.json").write_text(json.dumps(lora.peft_config["default"].to_dict(), default=list))
+    torch.save({}, tmp_path / "pickled" / "adapter_model.bin")
+    cfg.draft_adapters = {"bad": str(tmp_path / "pickled")}
+    with pytest.raises(ValueError, match="safetensors"):
+        load_pair(cfg)
