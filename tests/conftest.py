@@ -12,6 +12,11 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import pytest
 import torch
 
+# Triton reads TRITON_INTERPRET when triton itself is first imported (osd_serve.spec imports kernels),
+# so it must be set here, before any test module is collected, for the kernels to run on the CPU.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 CHARS = string.ascii_letters + string.digits + " .,:;()[]=+-*/_'\"\n"
 
 

@@ -1,0 +1,83 @@
+"""Logits -> probabilities -> tokens, as pure functions of tensors.
+
+The speculative loop calls `logits_to_probs` with the SAME per-request params on the target's and
+the draft's logits, so p and q are processed identically and the rejection rule in
+`kernels.verify` stays exact (it only needs p and q to be the distributions actually sampled from).
+
+Greedy rows (temperature 0) come back as the one-hot of argmax. With one-hot p and q the
+Leviathan rule `accept iff u * q(x) <= p(x)` is exactly "draft argmax == target argmax", and the
+residual norm(max(0, p - q)) is the one-hot of the target argmax, so one verifier handles both.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor,  # [N, V] float32, already divided by temperature
+    top_k: torch.Tensor,  # [N] int64, 0 or >= V disables
+    top_p: torch.Tensor,  # [N] float, 1.0 disables
+) -> torch.Tensor:  # [N, V] float32, dropped tokens set to -inf
+    """Mask logits outside top-k, then outside the top-p nucleus; one sort for both.
+
+    Top-k keeps every token tied with the k-th largest logit (a threshold, as in vLLM), so the
+    result does not depend on how the sort breaks ties. Top-p keeps the smallest set of the
+    largest tokens whose mass is >= top_p; the largest token is always kept.
+    """
+    n, v = logits.shape
+    # Ascending, so the tokens to drop form a prefix of each row.
+    logits_sort, logits_idx = logits.sort(dim=-1, descending=False)  # [N, V], [N, V]
+
+    k = torch.where((top_k <= 0) | (top_k >= v), v, top_k).clamp(min=1)  # [N]
+    kth_largest = logits_sort.gather(1, (v - k).unsqueeze(1))  # [N, 1]
+    logits_sort = logits_sort.masked_fill(logits_sort < kth_largest, float("-inf"))  # [N, V]
+
+    probs_sort = logits_sort.softmax(dim=-1)  # [N, V]
+    # cumsum[i] is the mass of tokens i and below; dropping them leaves mass 1 - cumsum[i] >= top_p.
+    cum_low = probs_sort.cumsum(dim=-1)  # [N, V]
+    drop = cum_low <= (1.0 - top_p.float()).unsqueeze(1)  # [N, V]
+    drop[:, -1] = False  # at least one token survives any top_p
+    logits_sort = logits_sort.masked_fill(drop, float("-inf"))  # [N, V]
+
+    return torch.empty_like(logits_sort).scatter_(1, logits_idx, logits_sort)  # [N, V]
+
+
+def logits_to_probs(
+    logits: torch.Tensor,  # [N, V] any float dtype
+    temperature: torch.Tensor,  # [N] float, 0 means greedy
+    top_k: torch.Tensor,  # [N] int64, 0 or >= V disables
+    top_p: torch.Tensor,  # [N] float in (0, 1], 1.0 disables
+) -> torch.Tensor:  # [N, V] float32
+    """Per-row temperature, top-k, top-p, softmax; greedy rows become one-hot(argmax)."""
+    logits = logits.float()  # [N, V] low-precision softmax would bias the accept test
+    n, v = logits.shape
+    greedy = temperature == 0  # [N]
+    # Greedy rows get temperature 1 only so the shared path below stays finite; they are replaced.
+    temp = torch.where(greedy, torch.ones_like(temperature), temperature).float()  # [N]
+    scaled = logits / temp.unsqueeze(1)  # [N, V]
+    probs = apply_top_k_top_p(scaled, top_k, top_p).softmax(dim=-1)  # [N, V]
+
+    one_hot = torch.zeros_like(probs)  # [N, V]
+    one_hot.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)  # argmax ties -> first index
+    return torch.where(greedy.unsqueeze(1), one_hot, probs)  # [N, V]
+
+
+def sample_from_probs(
+    probs: torch.Tensor,  # [N, V] float, rows need not be normalised
+    uniforms: torch.Tensor,  # [N] float in [0, 1)
+) -> torch.Tensor:  # [N] int64
+    """Inverse-CDF sample: the first index whose cumulative mass exceeds u * total.
+
+    Deterministic given the uniforms (no generator, no host sync), so a draft proposal can be
+    replayed. Rounding can put u * total at or past the last cumulative value; the clamp to the
+    last token with nonzero mass keeps the result a token the distribution can produce.
+    """
+    v = probs.shape[-1]
+    cdf = probs.float().cumsum(dim=-1)  # [N, V]
+    target = uniforms.float().unsqueeze(1) * cdf[:, -1:]  # [N, 1]
+    # cdf is non-decreasing, so the count of entries <= target is the first index above it.
+    idx = (cdf <= target).sum(dim=-1)  # [N]
+    positions = torch.arange(v, device=probs.device)  # [V]
+    last_nonzero = torch.where(probs > 0, positions, 0).amax(dim=-1)  # [N]
+    return torch.minimum(idx, last_nonzero).long()  # [N]
