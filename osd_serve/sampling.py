@@ -5,7 +5,7 @@ the draft's logits, so p and q are processed identically and the rejection rule 
 `kernels.verify` stays exact (it only needs p and q to be the distributions actually sampled from).
 
 Greedy rows (temperature 0) come back as the one-hot of argmax. With one-hot p and q the
-Leviathan rule `accept iff u * q(x) <= p(x)` is exactly "draft argmax == target argmax", and the
+Leviathan rule `accept iff u * q(x) < p(x)` is exactly "draft argmax == target argmax", and the
 residual norm(max(0, p - q)) is the one-hot of the target argmax, so one verifier handles both.
 """
 
@@ -53,13 +53,14 @@ def logits_to_probs(
     logits = logits.float()  # [N, V] low-precision softmax would bias the accept test
     n, v = logits.shape
     greedy = temperature == 0  # [N]
+    one_hot = torch.zeros_like(logits)  # [N, V]
+    one_hot.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)  # argmax ties -> first index
+    if bool(greedy.all()):  # the common serving case: skip the sort and softmax it would discard
+        return one_hot
     # Greedy rows get temperature 1 only so the shared path below stays finite; they are replaced.
     temp = torch.where(greedy, torch.ones_like(temperature), temperature).float()  # [N]
     scaled = logits / temp.unsqueeze(1)  # [N, V]
     probs = apply_top_k_top_p(scaled, top_k, top_p).softmax(dim=-1)  # [N, V]
-
-    one_hot = torch.zeros_like(probs)  # [N, V]
-    one_hot.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)  # argmax ties -> first index
     return torch.where(greedy.unsqueeze(1), one_hot, probs)  # [N, V]
 
 
