@@ -1,0 +1,71 @@
+"""The command line end to end on the tiny preset: bootstrap, generate, bench."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def _cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "osd_serve.cli", *args], capture_output=True, text=True, cwd=cwd, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("osd")
+    r = _cli("bootstrap", "--preset", "tiny", "--out", str(root))
+    assert r.returncode == 0, r.stderr
+    pair = json.loads(r.stdout.strip().splitlines()[-1])  # the last line printed is the JSON
+    return root, pair
+
+
+def test_bootstrap_prints_pair_json_and_is_cached(tiny_pair):
+    root, pair = tiny_pair
+    r = _cli("bootstrap", "--preset", "tiny", "--out", str(root))
+    assert r.returncode == 0 and json.loads(r.stdout.strip().splitlines()[-1]) == pair
+
+
+def test_generate_writes_one_line_per_prompt(tiny_pair, tmp_path):
+    _, pair = tiny_pair
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["def f(", "import os", "x = [1,"]))
+    out = tmp_path / "out.jsonl"
+    r = _cli("generate", "--target", pair["target"], "--draft", pair["draft"], "--prompts", str(prompts),
+             "--max-tokens", "6", "--num-speculative-tokens", "3", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [x["prompt"] for x in lines] == ["def f(", "import os", "x = [1,"]
+    for x in lines:
+        assert set(x) >= {"prompt", "text", "token_ids", "proposed", "accepted"}
+        assert 1 <= len(x["token_ids"]) <= 6 and 0 <= x["accepted"] <= x["proposed"]
+
+
+def test_generate_names_bad_input(tiny_pair, tmp_path):
+    _, pair = tiny_pair
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "no prompt field"}\n')
+    r = _cli("generate", "--target", pair["target"], "--draft", pair["draft"], "--prompts", str(bad))
+    assert r.returncode != 0 and "prompt" in r.stderr
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"prompt": "x"}\n')
+    r = _cli("generate", "--target", pair["target"], "--draft", pair["draft"], "--prompts", str(good), "--top-p", "0")
+    assert r.returncode != 0 and "top_p" in r.stderr
+
+
+def test_bench_report_is_complete_and_lossless(tiny_pair, tmp_path):
+    """Structure and losslessness only: speed is measured by running the bench, not by tests."""
+    _, pair = tiny_pair
+    out = tmp_path / "bench.json"
+    r = _cli("bench", "--target", pair["target"], "--draft", pair["draft"], "--num-prompts", "3", "--max-tokens", "6",
+             "--batch-sizes", "1,2", "--max-k", "2", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(out.read_text())
+    for bs in ("batch_1", "batch_2"):
+        s = rep["summary"][bs]
+        assert s["c"] > 0 and s["target_alone_tok_s"] > 0 and s["hf_assisted_tok_s"] > 0
+        for k in ("1", "2"):
+            assert s["per_k"][k]["outputs_match_target"] == 3  # greedy output equals the target alone's
+            assert 0 <= s["per_k"][k]["alpha"] <= 1
