@@ -1,0 +1,85 @@
+"""Distillation losses between the target (teacher) p and the draft (student) q, as pure functions.
+
+All take logits (or log-probs) ``[N, V]`` and an optional mask ``[N]`` and return the mean over the
+unmasked positions (token-count normalisation, as in trl's GKD loss), so a batch with more corrected
+positions does not weigh more than one with fewer.
+
+    forward KL   KL(p || q) = sum_x p log(p/q)          mode-covering; the paper's online choice
+    reverse KL   KL(q || p) = sum_x q log(q/p)          mode-seeking
+    JSD(beta)    beta KL(p || m) + (1-beta) KL(q || m),  m = beta p + (1-beta) q
+                 both terms vanish at beta=0 and beta=1, so (as GKD and trl do) beta=0 means forward KL
+                 and beta=1 reverse KL
+    TVD          1/2 sum_x |p - q|;  acceptance alpha = 1 - TVD(p, q) exactly, so minimising TVD
+                 maximises the expected acceptance directly.
+
+The mixture is formed in log space with logsumexp, never by exponentiating and adding, so tiny
+probabilities do not underflow.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def _reduce(per_pos: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Mean over unmasked positions. per_pos [N], mask [N] bool or None."""
+    if mask is None:
+        return per_pos.mean()
+    m = mask.to(per_pos.dtype)
+    return (per_pos * m).sum() / m.sum().clamp_min(1.0)
+
+
+def _kl(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
+    """KL(a || b) per row from log-probs. [N, V] -> [N]"""
+    return F.kl_div(log_b, log_a, reduction="none", log_target=True).sum(-1)
+
+
+def forward_kl(student_logits, teacher_logits, mask=None, temperature: float = 1.0) -> torch.Tensor:
+    """KL(p_teacher || q_student). logits [N, V]."""
+    log_q = F.log_softmax(student_logits.float() / temperature, -1)
+    log_p = F.log_softmax(teacher_logits.float() / temperature, -1)
+    return _reduce(_kl(log_p, log_q), mask)
+
+
+def reverse_kl(student_logits, teacher_logits, mask=None, temperature: float = 1.0) -> torch.Tensor:
+    """KL(q_student || p_teacher). logits [N, V]."""
+    log_q = F.log_softmax(student_logits.float() / temperature, -1)
+    log_p = F.log_softmax(teacher_logits.float() / temperature, -1)
+    return _reduce(_kl(log_q, log_p), mask)
+
+
+def generalized_jsd(student_logits, teacher_logits, beta: float = 0.5, mask=None, temperature: float = 1.0) -> torch.Tensor:
+    """beta KL(p || m) + (1-beta) KL(q || m) with m = beta p + (1-beta) q. logits [N, V].
+
+    beta=0 and beta=1 are special-cased to forward and reverse KL respectively: the weights vanish at
+    the ends, and these are the conventions of GKD (Agarwal et al. 2023) and trl.
+    """
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta must be in [0, 1], got {beta}")
+    if beta == 0.0:
+        return forward_kl(student_logits, teacher_logits, mask, temperature)
+    if beta == 1.0:
+        return reverse_kl(student_logits, teacher_logits, mask, temperature)
+    log_q = F.log_softmax(student_logits.float() / temperature, -1)
+    log_p = F.log_softmax(teacher_logits.float() / temperature, -1)
+    log_m = torch.logsumexp(torch.stack([log_p + math.log(beta), log_q + math.log(1 - beta)]), dim=0)  # [N, V]
+    per_pos = beta * _kl(log_p, log_m) + (1 - beta) * _kl(log_q, log_m)
+    return _reduce(per_pos, mask)
+
+
+def total_variation(student_logits, teacher_logits, mask=None, temperature: float = 1.0) -> torch.Tensor:
+    """1/2 sum |p - q| in [0, 1]; 1 - TVD is the expected acceptance of one draft token. logits [N, V]."""
+    q = F.softmax(student_logits.float() / temperature, -1)
+    p = F.softmax(teacher_logits.float() / temperature, -1)
+    return _reduce(0.5 * (p - q).abs().sum(-1), mask)
+
+
+def expected_acceptance(student_logits, teacher_logits, mask=None) -> torch.Tensor:
+    """alpha-hat = mean over positions of sum_x min(p(x), q(x)) = 1 - TVD. logits [N, V]."""
+    return 1.0 - total_variation(student_logits, teacher_logits, mask)
+
+
+LOSSES = {"forward_kl": forward_kl, "reverse_kl": reverse_kl, "jsd": generalized_jsd, "tvd": total_variation}

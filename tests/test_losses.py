@@ -1,0 +1,56 @@
+"""Loss properties (trl GKD style): zero on identical inputs, limits, symmetry, ranges, masks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from osd_serve.distill.losses import expected_acceptance, forward_kl, generalized_jsd, reverse_kl, total_variation
+
+
+@pytest.fixture
+def logits():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(13, 37, generator=g) * 3, torch.randn(13, 37, generator=g) * 3
+
+
+@pytest.mark.parametrize("fn", [forward_kl, reverse_kl, total_variation, lambda s, t: generalized_jsd(s, t, 0.3)])
+def test_identical_inputs_give_zero(fn, logits):
+    s, _ = logits
+    assert float(fn(s, s.clone())) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_jsd_limits_equal_plain_kl(logits):
+    s, t = logits
+    assert torch.allclose(generalized_jsd(s, t, 0.0), forward_kl(s, t))
+    assert torch.allclose(generalized_jsd(s, t, 1.0), reverse_kl(s, t))
+
+
+def test_jsd_half_is_symmetric_and_bounded(logits):
+    s, t = logits
+    assert torch.allclose(generalized_jsd(s, t, 0.5), generalized_jsd(t, s, 0.5), atol=1e-6)
+    assert 0 < float(generalized_jsd(s, t, 0.5)) <= torch.log(torch.tensor(2.0)) + 1e-6
+
+
+def test_tvd_in_unit_interval_and_alpha_is_sum_of_min(logits):
+    s, t = logits
+    tv = float(total_variation(s, t))
+    assert 0.0 <= tv <= 1.0
+    p, q = t.softmax(-1), s.softmax(-1)
+    assert float(expected_acceptance(s, t)) == pytest.approx(float(torch.minimum(p, q).sum(-1).mean()), abs=1e-6)
+    far = torch.full((1, 4), -1e4)
+    far_s, far_t = far.clone(), far.clone()
+    far_s[0, 0] = far_t[0, 1] = 1e4
+    assert float(total_variation(far_s, far_t)) == pytest.approx(1.0)
+
+
+def test_mask_and_token_count_normalisation(logits):
+    s, t = logits
+    mask = torch.zeros(13, dtype=torch.bool)
+    mask[[1, 4, 7]] = True
+    full = forward_kl(s[mask], t[mask])
+    assert torch.allclose(forward_kl(s, t, mask), full)
+    # masked positions get no gradient
+    s2 = s.clone().requires_grad_()
+    generalized_jsd(s2, t, 0.5, mask).backward()
+    assert s2.grad[~mask].abs().max() == 0 and s2.grad[mask].abs().max() > 0
