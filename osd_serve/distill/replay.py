@@ -1,0 +1,138 @@
+"""Replay records written at verification, and a byte-bounded replay buffer with one shard per expert.
+
+A record keeps the token ids of prompt and response and, at the positions kept, the target's
+distribution: in full (float16) or as its top-k (ids + float16 probs) plus the remaining mass, which
+is enough to rebuild a distribution for the losses in losses.py without re-running the target.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class ReplayRecord:
+    prompt_ids: torch.Tensor  # [P] int32
+    response_ids: torch.Tensor  # [R] int32
+    positions: torch.Tensor  # [n] int64 indices into response_ids whose target distribution is kept
+    probs: torch.Tensor  # [n, V] float16 (full) or [n, K] float16 (top-k)
+    topk_ids: torch.Tensor | None = None  # [n, K] int32 when top-k, else None
+    rest_mass: torch.Tensor | None = None  # [n] float16 mass outside the top-k
+    expert: str = "default"
+    created: float = field(default_factory=time.monotonic)
+
+    @property
+    def nbytes(self) -> int:
+        ts = [self.prompt_ids, self.response_ids, self.positions, self.probs, self.topk_ids, self.rest_mass]
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+    def dense_probs(self, vocab: int) -> torch.Tensor:
+        """The kept distributions as [n, V] float32; top-k spreads the rest mass uniformly on the others."""
+        if self.topk_ids is None:
+            return self.probs.float()
+        n, k = self.probs.shape
+        fill = (self.rest_mass.float() / max(vocab - k, 1))[:, None].expand(n, vocab).clone()  # [n, V]
+        return fill.scatter_(1, self.topk_ids.long(), self.probs.float())
+
+
+def make_record(prompt_ids, response_ids, positions, target_probs: torch.Tensor, topk: int = 0, expert: str = "default") -> ReplayRecord:
+    """target_probs [n, V]: the target's distribution at ``positions`` (temperature 1, unprocessed)."""
+    p = target_probs.detach().float().cpu()
+    as_i32 = lambda x: torch.as_tensor(x, dtype=torch.int32).cpu()  # noqa: E731
+    pos = torch.as_tensor(positions, dtype=torch.long).cpu()
+    if topk and topk < p.shape[-1]:
+        vals, ids = p.topk(topk, dim=-1)  # [n, K]
+        rest = (1.0 - vals.sum(-1)).clamp_min(0)  # [n]
+        return ReplayRecord(as_i32(prompt_ids), as_i32(response_ids), pos, vals.half(), ids.int(), rest.half(), expert)
+    return ReplayRecord(as_i32(prompt_ids), as_i32(response_ids), pos, p.half(), expert=expert)
+
+
+@dataclass
+class BufferConfig:
+    max_bytes: int = 256 << 20  # per shard
+    trigger_records: int = 8  # an update is due at this many new records (the paper's I = 8)...
+    trigger_age_s: float = 60.0  # ...or when the oldest new record is this old, whichever comes first
+    eviction: str = "fifo"  # fifo | reservoir
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.eviction not in ("fifo", "reservoir"):
+            raise ValueError(f"eviction must be fifo or reservoir, got {self.eviction!r}")
+        if self.max_bytes <= 0 or self.trigger_records < 1 or self.trigger_age_s <= 0:
+            raise ValueError("max_bytes, trigger_records and trigger_age_s must be positive")
+
+
+class Shard:
+    """Records of one expert, bounded by bytes. FIFO drops the oldest; reservoir keeps a uniform
+    sample of everything ever offered (Vitter's algorithm R, by bytes-bounded capacity)."""
+
+    def __init__(self, cfg: BufferConfig, rng: random.Random):
+        self.cfg, self.rng = cfg, rng
+        self.records: deque[ReplayRecord] = deque()
+        self.nbytes = 0
+        self.seen = 0  # records ever offered (for reservoir)
+        self.new_since_update = 0
+        self.oldest_new: float | None = None
+
+    def add(self, rec: ReplayRecord, now: float | None = None) -> bool:
+        """Returns whether the record was kept."""
+        self.seen += 1
+        if rec.nbytes > self.cfg.max_bytes:
+            return False
+        if self.cfg.eviction == "reservoir" and self.nbytes + rec.nbytes > self.cfg.max_bytes:
+            # Keep with probability capacity/seen, replacing a uniformly chosen resident.
+            if self.rng.random() >= len(self.records) / self.seen:
+                return False
+            victim = self.rng.randrange(len(self.records))
+            self.nbytes -= self.records[victim].nbytes
+            del self.records[victim]
+        while self.records and self.nbytes + rec.nbytes > self.cfg.max_bytes:
+            self.nbytes -= self.records.popleft().nbytes
+        self.records.append(rec)
+        self.nbytes += rec.nbytes
+        self.new_since_update += 1
+        if self.oldest_new is None:
+            self.oldest_new = rec.created if now is None else now
+        return True
+
+    def due(self, now: float | None = None) -> str | None:
+        """'size' or 'age' when an update is due, else None."""
+        if self.new_since_update >= self.cfg.trigger_records:
+            return "size"
+        now = time.monotonic() if now is None else now
+        if self.oldest_new is not None and now - self.oldest_new >= self.cfg.trigger_age_s:
+            return "age"
+        return None
+
+    def mark_updated(self) -> None:
+        self.new_since_update, self.oldest_new = 0, None
+
+
+class ReplayBuffer:
+    """One shard per draft expert, so experts are fed and trained separately."""
+
+    def __init__(self, cfg: BufferConfig | None = None):
+        self.cfg = cfg or BufferConfig()
+        self._rng = random.Random(self.cfg.seed)
+        self.shards: dict[str, Shard] = {}
+
+    def shard(self, expert: str) -> Shard:
+        if expert not in self.shards:
+            self.shards[expert] = Shard(self.cfg, self._rng)
+        return self.shards[expert]
+
+    def add(self, rec: ReplayRecord, now: float | None = None) -> bool:
+        return self.shard(rec.expert).add(rec, now)
+
+    def due(self, now: float | None = None) -> dict[str, str]:
+        """expert -> trigger ('size' or 'age') for every shard whose update is due."""
+        return {e: why for e, s in self.shards.items() if (why := s.due(now))}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.shards.values())

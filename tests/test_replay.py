@@ -1,0 +1,66 @@
+"""The replay buffer: byte bound, size and age triggers, FIFO and reservoir eviction, shards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from osd_serve.distill.replay import BufferConfig, ReplayBuffer, make_record
+
+
+def _rec(i: int, expert: str = "default", n: int = 2, vocab: int = 50, topk: int = 0):
+    p = torch.softmax(torch.randn(n, vocab, generator=torch.Generator().manual_seed(i)), -1)
+    rec = make_record([1, 2, 3], [i % 50, 5, 6, 7], list(range(n)), p, topk=topk, expert=expert)
+    rec.tag = i  # test-only marker of insertion order
+    return rec
+
+
+def test_bytes_per_record_and_topk_round_trip():
+    full, top = _rec(0), _rec(0, topk=8)
+    assert full.nbytes == 3 * 4 + 4 * 4 + 2 * 8 + 2 * 50 * 2
+    assert top.nbytes < full.nbytes
+    dense = top.dense_probs(50)
+    assert dense.shape == (2, 50) and torch.allclose(dense.sum(-1), torch.ones(2), atol=2e-3)
+    p = full.dense_probs(50)
+    assert torch.equal(dense.topk(8).indices.sort().values, p.topk(8).indices.sort().values)
+
+
+@pytest.mark.parametrize("eviction", ["fifo", "reservoir"])
+def test_byte_bound_is_respected(eviction):
+    size = _rec(0).nbytes
+    buf = ReplayBuffer(BufferConfig(max_bytes=10 * size, eviction=eviction))
+    for i in range(200):
+        buf.add(_rec(i))
+        assert buf.nbytes <= 10 * size
+    assert len(buf.shard("default").records) == 10
+
+
+def test_fifo_keeps_newest_reservoir_keeps_a_uniform_sample():
+    size = _rec(0).nbytes
+    fifo = ReplayBuffer(BufferConfig(max_bytes=10 * size, eviction="fifo"))
+    for i in range(100):
+        fifo.add(_rec(i))
+    assert [r.tag for r in fifo.shard("default").records] == list(range(90, 100))
+    # Reservoir: over many runs every one of 100 items is kept with probability ~10/100.
+    kept = torch.zeros(100)
+    for seed in range(300):
+        res = ReplayBuffer(BufferConfig(max_bytes=10 * size, eviction="reservoir", seed=seed))
+        for i in range(100):
+            res.add(_rec(i))
+        for r in res.shard("default").records:
+            kept[r.tag] += 1
+    freq = kept / 300
+    assert freq[:50].mean() == pytest.approx(0.1, abs=0.03) and freq[50:].mean() == pytest.approx(0.1, abs=0.03)
+
+
+def test_triggers_by_size_and_by_age_and_shards_are_separate():
+    buf = ReplayBuffer(BufferConfig(trigger_records=3, trigger_age_s=10.0))
+    buf.add(_rec(0, "code"), now=100.0)
+    buf.add(_rec(1, "math"), now=100.0)
+    assert buf.due(now=101.0) == {}
+    buf.add(_rec(2, "code"), now=101.0)
+    buf.add(_rec(3, "code"), now=102.0)
+    assert buf.due(now=102.0) == {"code": "size"}
+    assert buf.due(now=111.0) == {"code": "size", "math": "age"}
+    buf.shard("code").mark_updated()
+    assert buf.due(now=111.0) == {"math": "age"}
