@@ -55,7 +55,8 @@ class DecoderResult:
     tokens: int
     seconds: float
     k: int | None = None
-    alpha: float | None = None  # accepted / proposed draft tokens
+    alpha: float | None = None  # per-position acceptance: accepted / (accepted + rejections)
+    acceptance_rate: float | None = None  # accepted / proposed (vLLM's draft acceptance rate)
     tokens_per_target_forward: float | None = None
     analytic_speedup: float | None = None
     outputs_match_target: int | None = None  # prompts whose output equals the target-alone output
@@ -120,9 +121,11 @@ def run_bench(target, draft, tok, prompts: list[str], max_tokens: int = 64, batc
             outs, t_c = _timed(lambda: eng.generate(ids, SamplingParams(max_tokens=max_tokens, num_speculative_tokens=k), stats=stats))
             proposed, accepted = sum(s.proposed for s in stats), sum(s.accepted for s in stats)
             row_steps = sum(s.batch_size for s in stats)
-            alpha = accepted / proposed if proposed else None
+            tested = accepted + sum(s.rejected for s in stats)
+            alpha = accepted / tested if tested else None  # per-position acceptance, see StepStats.alpha
             r = DecoderResult(
                 "engine" if k else "engine_k0", bs, sum(len(o.token_ids) for o in outs), t_c, k=k, alpha=alpha,
+                acceptance_rate=accepted / proposed if proposed else None,
                 tokens_per_target_forward=sum(s.emitted for s in stats) / row_steps,
                 analytic_speedup=analytic_speedup(alpha, k, c) if k else 1.0,
                 outputs_match_target=sum(o.token_ids == y for o, y in zip(outs, ref)),
@@ -167,3 +170,39 @@ def run_bench(target, draft, tok, prompts: list[str], max_tokens: int = 64, batc
         "summary": summary,
         "results": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in results],
     }
+
+
+def summary_table(report: dict, title: str) -> str:
+    """A markdown table of one bench report's summary (what the closing notes and benchmarks/ show)."""
+    rows = [
+        f"### {title}",
+        f"target {report['target_params'] / 1e6:.1f}M params, draft {report['draft_params'] / 1e6:.2f}M, "
+        f"{report['prompts']} prompts x {report['max_tokens']} tokens, {report['device']}, {report['threads']} threads",
+        "",
+        "| batch | c | best k | α | target alone tok/s | HF assisted tok/s | engine k=0 tok/s | engine tok/s | (c)/(a) | (c)/(b) | analytic S | measured/analytic |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, s in report["summary"].items():
+        rows.append(
+            f"| {name.split('_')[1]} | {s['c']:.3f} | {s['best_k']} | {s['alpha_at_best_k']:.3f} | {s['target_alone_tok_s']:.1f} | "
+            f"{s['hf_assisted_tok_s']:.1f} | {s['engine_k0_tok_s']:.1f} | {s['best_engine_tok_s']:.1f} | "
+            f"{s['speedup_vs_target_alone']:.2f} | {s['speedup_vs_hf_assisted']:.2f} | {s['analytic_speedup_at_best_k']:.2f} | "
+            f"{s['measured_over_analytic']:.2f} |"
+        )
+    rows += ["", "| batch | k | α | tokens/target fwd | analytic S | (c)/(a) | (c)/(b) | measured/analytic | outputs = target |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, s in report["summary"].items():
+        for k, r in s["per_k"].items():
+            rows.append(
+                f"| {name.split('_')[1]} | {k} | {r['alpha']:.3f} | {r['tokens_per_target_forward']:.2f} | {r['analytic_speedup']:.2f} | "
+                f"{r['speedup_vs_target_alone']:.2f} | {r['speedup_vs_hf_assisted']:.2f} | {r['measured_over_analytic']:.2f} | "
+                f"{r['outputs_match_target']}/{report['prompts']} |"
+            )
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":  # python -m osd_serve.bench REPORT.json... prints the tables
+    import sys
+    from pathlib import Path
+
+    for path in sys.argv[1:]:
+        print(summary_table(json.loads(Path(path).read_text()), Path(path).stem), end="\n\n")

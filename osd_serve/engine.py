@@ -28,12 +28,20 @@ class StepStats:
     batch_size: int
     proposed: int  # draft tokens proposed, summed over rows
     accepted: int  # draft tokens accepted, summed over rows
+    rejected: int  # rows whose draft was rejected at some position (the rest accepted all k_i)
     accepted_per_position: list[int]  # [k] rows whose j-th draft token was accepted
     proposed_per_position: list[int]  # [k] rows that proposed a j-th draft token
     emitted: int  # tokens added to outputs (accepted + one target token per row)
     draft_time: float  # seconds in draft forwards
     target_time: float  # seconds in the target forward and verification
     prefill_time: float  # seconds prefilling requests that joined before this step
+
+    @property
+    def alpha(self) -> float | None:
+        """Per-position acceptance (the α of S(α,k,c)): accepted over positions that were tested.
+        accepted/proposed would also count drafts after a rejection, which are never tested."""
+        tested = self.accepted + self.rejected
+        return self.accepted / tested if tested else None
 
 
 def _max_len(model) -> int:
@@ -170,8 +178,9 @@ class SpecEngine:
                 prop_pos[j] += 1
                 acc_pos[j] += j < a
         deltas = [r.delta() for r in self.running]
+        rejected = sum(a < kr for a, kr in zip(n_acc, k_rows))
         stats = StepStats(
-            len(self.running), sum(k_rows), sum(n_acc), acc_pos, prop_pos, emitted, out.draft_time, out.target_time, prefill
+            len(self.running), sum(k_rows), sum(n_acc), rejected, acc_pos, prop_pos, emitted, out.draft_time, out.target_time, prefill
         )
         self._drop_finished()
         for kv in (self._target_kv, self._draft_kv):

@@ -52,9 +52,11 @@ class BatchKV:
         offs = input_valid.long().cumsum(1) - 1  # [B, T]
         pos = self.length[:, None] + offs.clamp_min(0)  # [B, T]
         mask = torch.cat([self.valid, input_valid], dim=1)  # [B, P+T]
+        # No holes anywhere: let attention take its plain causal path instead of building a 4D mask.
+        no_holes = bool(mask.all())
         out = self.model(
             input_ids=input_ids,
-            attention_mask=mask.long(),
+            attention_mask=None if no_holes else mask.long(),
             position_ids=pos,
             past_key_values=self.cache,
             use_cache=True,
@@ -67,6 +69,14 @@ class BatchKV:
         """Roll each row back to ``lengths[b]`` tokens: columns at positions >= it become holes. [B]"""
         self.col_pos = torch.where(self.col_pos >= lengths[:, None], -1, self.col_pos)
         self.length = torch.minimum(self.length, lengths)
+        # Columns that are holes in every row at the right end need no mask: crop them (a view, no
+        # copy). At batch 1 every hole is such a suffix, so single-sequence decoding never has holes.
+        used = torch.nonzero(self.valid.any(0))  # [n, 1]
+        keep = int(used[-1]) + 1 if len(used) else 0
+        if keep < self.width:
+            self.col_pos = self.col_pos[:, :keep]
+            for layer in self._layers():
+                layer.keys, layer.values = layer.keys[:, :, :keep], layer.values[:, :, :keep]
 
     def hole_fraction(self) -> float:
         if self.width == 0 or self.batch_size == 0:

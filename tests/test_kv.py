@@ -50,10 +50,13 @@ def test_caches_match_fresh_forward_after_every_step(tok):
 def test_compaction_keeps_content(tok):
     target = llama(len(tok), seed=6)
     eng = SpecEngine(target, perturbed(target, 0.02), tok, EngineConfig(max_batch_size=3, compact_hole_fraction=1.0))
-    eng.submit([[7] * 3, [8] * 9, [9]], SamplingParams(max_tokens=10, num_speculative_tokens=6, ignore_eos=True))
-    eng.step()
-    eng.step()
+    eng.submit([[7] * 3, [8] * 9, [9]], SamplingParams(max_tokens=60, num_speculative_tokens=6, ignore_eos=True))
     kv = eng._target_kv
+    for _ in range(8):  # until rows disagree in length, leaving holes that are not a common suffix
+        eng.step()
+        if kv.hole_fraction() > 0:
+            break
+    assert kv.hole_fraction() > 0
     before = [_row_cache(kv, i, 1).clone() for i in range(3)]
     width = kv.width
     kv.compact()

@@ -1,0 +1,542 @@
+"""Build the embedded default (target, draft) pair of causal LMs, trained here on CPU.
+
+Nothing can be downloaded, so the pair is trained from scratch on text every Python machine has,
+the standard library's own source (or the user's `data_files`), and saved in plain Hugging Face
+format with one shared byte-level BPE vocabulary, so the rest of osd-serve loads it like any
+downloaded checkpoint. Sizes are set by the two numbers that decide whether speculation pays,
+S = (1 - a^(k+1)) / ((1 - a)(k c + 1)), measured on a 2-core CPU:
+  c = draft/target step time (batch 1, KV cache). A 1-layer draft costs ~2 ms, nearly all
+      framework overhead, so the target must do ~20 ms of real work: ~30M fp32 parameters,
+      more than the L3 cache, so every step streams its weights from memory (c ~ 0.09).
+  a = greedy acceptance on the target's own greedy path. The draft is trained briefly, then
+      distilled on the target's soft labels (a ~0.6 on held-out stdlib snippets); the rest is
+      left for online distillation to win.
+The ~12-minute budget is what limits quality: the target sees ~0.5M tokens, far fewer than a
+30M model wants, so the pair is a realistic *cost* model more than a useful text generator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import json
+import math
+import os
+import random
+import re
+import shutil
+import sys
+import sysconfig
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+# Bumped whenever the recipe changes so stale caches are rebuilt rather than trusted.
+BUILD_VERSION = 1
+COMPLETE_MARKER = "COMPLETE"
+BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
+
+
+def _require(ok: bool, field_name: str, allowed: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"{field_name} must be {allowed}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    hidden: int
+    layers: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("hidden", "layers", "intermediate", "heads", "kv_heads"):
+            _require(getattr(self, name) >= 1, f"ModelDims.{name}", ">= 1", getattr(self, name))
+        _require(self.hidden % self.heads == 0, "ModelDims.heads", f"a divisor of hidden={self.hidden}", self.heads)
+        _require(self.heads % self.kv_heads == 0, "ModelDims.kv_heads", f"a divisor of heads={self.heads}", self.kv_heads)
+
+
+@dataclass(frozen=True)
+class TrainSchedule:
+    steps: int
+    batch: int
+    lr: float
+    warmup: int
+
+    def __post_init__(self) -> None:
+        _require(self.steps >= 1, "TrainSchedule.steps", ">= 1", self.steps)
+        _require(self.batch >= 1, "TrainSchedule.batch", ">= 1", self.batch)
+        _require(0.0 < self.lr < 1.0, "TrainSchedule.lr", "in (0, 1)", self.lr)
+        _require(0 <= self.warmup < self.steps, "TrainSchedule.warmup", f"in [0, steps={self.steps})", self.warmup)
+
+
+@dataclass(frozen=True)
+class PairConfig:
+    """Everything that determines the built pair; it is hashed into the cache key."""
+
+    vocab_size: int
+    seq_len: int
+    target: ModelDims
+    draft: ModelDims
+    target_train: TrainSchedule
+    draft_train: TrainSchedule
+    # Then distil the draft on the target's soft labels: the cheapest lever on acceptance
+    # (0.54 -> 0.70 for 40 s here), since acceptance is agreement with the target, not accuracy.
+    draft_distill: TrainSchedule | None
+    corpus_max_bytes: int  # caps both tokenizer training and the token stream
+    n_prompts: int = 64
+    alpha_prompts: int = 16  # quick acceptance estimate recorded in build.json; 0 skips it
+    alpha_new_tokens: int = 32
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        # 256 byte symbols + 3 special tokens is the smallest byte-level BPE vocabulary.
+        _require(259 <= self.vocab_size <= 65536, "PairConfig.vocab_size", "in [259, 65536]", self.vocab_size)
+        _require(self.seq_len >= 8, "PairConfig.seq_len", ">= 8", self.seq_len)
+        _require(self.corpus_max_bytes >= 1000, "PairConfig.corpus_max_bytes", ">= 1000", self.corpus_max_bytes)
+        _require(self.n_prompts >= 1, "PairConfig.n_prompts", ">= 1", self.n_prompts)
+
+
+PRESETS: dict[str, PairConfig] = {
+    "default": PairConfig(
+        vocab_size=4096, seq_len=256, corpus_max_bytes=6_000_000,
+        target=ModelDims(hidden=512, layers=8, intermediate=1408, heads=8, kv_heads=8),  # 29.9M
+        draft=ModelDims(hidden=192, layers=1, intermediate=512, heads=4, kv_heads=4, tie_embeddings=True),  # 1.2M
+        target_train=TrainSchedule(steps=500, batch=4, lr=2e-3, warmup=30),
+        draft_train=TrainSchedule(steps=300, batch=8, lr=3e-3, warmup=20),
+        draft_distill=TrainSchedule(steps=100, batch=4, lr=1e-3, warmup=0),
+    ),
+    "tiny": PairConfig(  # for tests: seconds, not quality
+        vocab_size=300, seq_len=32, corpus_max_bytes=60_000, n_prompts=4, alpha_prompts=2, alpha_new_tokens=4,
+        target=ModelDims(hidden=64, layers=2, intermediate=192, heads=2, kv_heads=2),
+        draft=ModelDims(hidden=8, layers=1, intermediate=16, heads=1, kv_heads=1, tie_embeddings=True),
+        target_train=TrainSchedule(steps=4, batch=2, lr=1e-3, warmup=1),
+        draft_train=TrainSchedule(steps=4, batch=2, lr=1e-3, warmup=1),
+        draft_distill=TrainSchedule(steps=2, batch=2, lr=1e-3, warmup=0),
+    ),
+}
+
+
+# ----------------------------------------------------------------------------- corpus
+
+
+def record_text(record: object) -> str:
+    """A JSON record as training text: its string fields in order, one per line."""
+    if isinstance(record, str):
+        return record
+    if isinstance(record, dict):
+        return "\n".join(v for v in record.values() if isinstance(v, str) and v)
+    return ""  # numbers, lists and nulls carry no text worth learning
+
+
+def _txt_documents(text: str) -> list[str]:
+    # Blank lines are the only document boundary plain text offers; without them, fixed line
+    # chunks still let us hold some documents out for prompts.
+    paras = [p for p in re.split(r"\n\s*\n", text) if p.strip()]
+    docs = []
+    for p in paras:
+        lines = p.splitlines(keepends=True)
+        docs.extend("".join(lines[i : i + 40]) for i in range(0, len(lines), 40))
+    return docs
+
+
+def read_documents(path: str) -> Iterator[str]:
+    """Documents of one data file: .txt, .jsonl, .jsonl.gz or .json (array of objects)."""
+    name = path.lower()
+    if name.endswith((".jsonl", ".jsonl.gz")):
+        with (gzip.open if name.endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
+            texts = [record_text(json.loads(line)) for line in f if line.strip()]
+    elif name.endswith(".json"):
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        texts = [record_text(rec) for rec in (data if isinstance(data, list) else [data])]
+    elif name.endswith(".txt"):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            texts = _txt_documents(f.read())
+    else:
+        raise ValueError(f"data file {path!r}: unsupported type (want .txt, .jsonl, .jsonl.gz or .json)")
+    return (t for t in texts if t.strip())
+
+
+def stdlib_files() -> list[Path]:
+    """The standard library's .py files (no tests, no site-packages) in a fixed, module-spread order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "lib2to3"}
+    files = sorted(p for p in root.rglob("*.py") if not skip.intersection(p.relative_to(root).parts[:-1]))
+    # Order by a hash of the relative path so any prefix samples the whole library instead of
+    # the alphabetically first packages; sorted first so the result never depends on rglob order.
+    files.sort(key=lambda p: hashlib.sha1(str(p.relative_to(root)).encode()).hexdigest())
+    return files
+
+
+def load_corpus(data_files: list[str] | None, cfg: PairConfig) -> list[str]:
+    """Documents up to cfg.corpus_max_bytes, split evenly between the data sources."""
+    docs: list[str] = []
+    if not data_files:
+        budget = cfg.corpus_max_bytes
+        for p in tqdm(stdlib_files(), desc="corpus: stdlib", unit="file"):
+            text = p.read_text(encoding="utf-8", errors="replace")
+            if text.strip() and len(text) < budget:
+                docs.append(text)
+                budget -= len(text)
+        return docs
+    per_file = cfg.corpus_max_bytes // len(data_files)
+    for path in data_files:
+        budget = per_file
+        for text in tqdm(read_documents(path), desc=f"corpus: {os.path.basename(path)}", unit="doc"):
+            if len(text) > budget:
+                break
+            docs.append(text)
+            budget -= len(text)
+    if not docs:
+        raise ValueError(f"data files {data_files} contain no text")
+    return docs
+
+
+def split_heldout(docs: list[str], n: int, seed: int) -> tuple[list[str], list[str]]:
+    """(train, heldout): prompts come only from documents the models never saw."""
+    if len(docs) < 2:
+        raise ValueError("need at least 2 documents to hold some out for prompts")
+    n = min(n, max(1, len(docs) // 10))  # a small corpus keeps 90% for training
+    held = set(random.Random(seed).sample(range(len(docs)), n))
+    return [d for i, d in enumerate(docs) if i not in held], [docs[i] for i in sorted(held)]
+
+
+def make_prompts(held: list[str], n: int, seed: int) -> list[str]:
+    """n distinct prompts; long held-out files give several (different random spots)."""
+    rng, seen = random.Random(seed), {}  # a dict keeps first-seen order, unlike a set
+    for i in range(4 * n):
+        seen.setdefault(make_prompt(held[i % len(held)], rng))
+        if len(seen) == n:
+            break
+    return list(seen)
+
+
+def make_prompt(doc: str, rng: random.Random, max_chars: int = 320) -> str:
+    """A short snippet of whole lines: a record's first field(s), or a random spot in a file."""
+    lines = doc.splitlines(keepends=True)
+    # A record (question, instruction, problem) opens with its natural prompt and the rest is
+    # the answer, so take only its first field; a long file has no natural start.
+    is_record = len(doc) <= 2000
+    start = 0 if is_record else rng.randrange(len(lines))
+    while start < len(lines) and not lines[start].strip():
+        start += 1
+    out, min_chars = "", 20 if is_record else 80
+    for line in lines[start:]:
+        out += line
+        if len(out.strip()) >= min_chars:
+            break
+    if len(out) > max_chars:
+        cut = out.rfind(" ", 0, max_chars)
+        out = out[: cut if cut > max_chars // 2 else max_chars]
+    return out if out.strip() else doc[:max_chars]
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+
+def train_tokenizer(docs: list[str], vocab_size: int):
+    """Byte-level BPE (no unknown tokens, any UTF-8 round-trips) with bos/eos/pad."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    # show_progress off: its bar hides when stderr is not a terminal; the tqdm one does not.
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[BOS, EOS, PAD], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(tqdm(docs, desc="tokenizer: train BPE", unit="doc"), trainer, length=len(docs))
+    # Training documents start with bos, so prompts must too; the post-processor makes every
+    # `tokenizer(prompt)` call add it without the caller having to know.
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, tok.token_to_id(BOS))]
+    )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD,
+                                   model_max_length=4096)
+
+
+def encode_stream(docs: list[str], tokenizer) -> torch.Tensor:
+    """All documents as one [n_tokens] stream: bos doc eos bos doc eos ..."""
+    ids: list[int] = []
+    eos, fast = tokenizer.eos_token_id, tokenizer.backend_tokenizer  # the Rust tokenizer batches in parallel
+    for i in tqdm(range(0, len(docs), 256), desc="tokenize", unit="batch"):
+        for enc in fast.encode_batch(docs[i : i + 256]):
+            ids.extend(enc.ids)
+            ids.append(eos)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def make_model(dims: ModelDims, cfg: PairConfig, tokenizer, seed: int):
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    special = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                   pad_token_id=tokenizer.pad_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=dims.hidden, intermediate_size=dims.intermediate,
+        num_hidden_layers=dims.layers, num_attention_heads=dims.heads, num_key_value_heads=dims.kv_heads,
+        tie_word_embeddings=dims.tie_embeddings,
+        # RoPE has no table to size; this is only the length users are told is supported.
+        max_position_embeddings=max(2048, cfg.seq_len), **special,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        # Zero the residual branches' output projections (as modded-nanogpt does): the untrained
+        # model is then an exact bigram model instead of one whose token signal is buried under
+        # 2 x layers random updates, which cut the deep target's early loss plateau (5.8 vs 6.2
+        # nats after 150 steps). Gradients still reach them: their inputs are non-zero.
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    model.generation_config = GenerationConfig(**special)
+    return model
+
+
+def count_params(model: torch.nn.Module) -> int:
+    # Tied embeddings are one tensor; parameters() already yields shared tensors once.
+    return sum(p.numel() for p in model.parameters())
+
+
+def _cpu_has_bf16() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def train_lm(model, stream: torch.Tensor, seq_len: int, sched: TrainSchedule, seed: int, desc: str,
+             teacher=None) -> float:
+    """AdamW on random windows of `stream`: next-token cross-entropy, or with a `teacher`,
+    KL(teacher || model) on its soft labels. Returns the smoothed final loss."""
+    gen = torch.Generator().manual_seed(seed)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]  # norms: decay would shrink them
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=sched.lr, betas=(0.9, 0.95),
+    )
+
+    def lr_at(step: int) -> float:  # linear warmup, cosine to 10%
+        if step < sched.warmup:
+            return sched.lr * (step + 1) / sched.warmup
+        t = (step - sched.warmup) / max(1, sched.steps - sched.warmup)
+        return sched.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * t)))
+
+    n_windows = len(stream) - seq_len
+    if n_windows < 1:
+        raise ValueError(f"corpus has {len(stream)} tokens, not more than seq_len={seq_len}")
+    # bf16 matmuls (fp32 master weights) where the CPU has native bf16: ~1.6x faster here.
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=_cpu_has_bf16())
+    model.train()
+    ema = None
+    bar = tqdm(range(sched.steps), desc=desc, unit="step")
+    for step in bar:
+        starts = torch.randint(0, n_windows, (sched.batch,), generator=gen)
+        batch = torch.stack([stream[s : s + seq_len] for s in starts.tolist()])  # [batch, seq_len]
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        with autocast:
+            logits = model(input_ids=batch).logits.float()  # [batch, seq_len, vocab]
+            if teacher is None:
+                loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten())
+            else:
+                with torch.no_grad():
+                    t_logits = teacher(input_ids=batch).logits.float()  # [batch, seq_len, vocab]
+                # batchmean over the flattened tokens = mean per-token KL.
+                loss = F.kl_div(F.log_softmax(logits, -1).flatten(0, 1), F.log_softmax(t_logits, -1).flatten(0, 1),
+                                log_target=True, reduction="batchmean")
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        ema = loss.item() if ema is None else 0.9 * ema + 0.1 * loss.item()
+        bar.set_postfix(loss=f"{ema:.3f}")
+    model.eval()
+    return float(ema)
+
+
+@torch.inference_mode()
+def eval_loss(model, stream: torch.Tensor, seq_len: int, n_windows: int = 8) -> float:
+    """Mean next-token loss on windows spread evenly over a held-out stream."""
+    seq_len = min(seq_len, len(stream))
+    starts = torch.linspace(0, len(stream) - seq_len, n_windows).long().unique().tolist()
+    batch = torch.stack([stream[s : s + seq_len] for s in starts])  # [n_windows, seq_len]
+    return float(model(input_ids=batch, labels=batch).loss)
+
+
+@torch.inference_mode()
+def greedy_acceptance(target, draft, tokenizer, prompts: list[str], new_tokens: int) -> float:
+    """Static greedy acceptance: the fraction of positions on the target's own greedy
+    continuation where argmax(draft) equals argmax(target) (= the continuation token)."""
+    agree = total = 0
+    for prompt in prompts:
+        ids = torch.tensor([tokenizer(prompt)["input_ids"]])  # [1, prompt_len]
+        out = target.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+            eos_token_id=None, pad_token_id=tokenizer.pad_token_id,
+        )  # [1, prompt_len + new_tokens]
+        cont = out[0, ids.shape[1] :]
+        # Logits at position i predict token i+1, so the slice ending one before the last token
+        # scores exactly the continuation.
+        logits = draft(input_ids=out).logits[0, ids.shape[1] - 1 : -1]  # [new_tokens, vocab]
+        agree += int((logits.argmax(-1) == cont).sum())
+        total += len(cont)
+    return agree / max(1, total)
+
+
+# ----------------------------------------------------------------------------- build + cache
+
+
+def _default_root() -> Path:
+    return Path(os.environ.get("OSD_SERVE_HOME") or Path.home() / ".cache" / "osd-serve")
+
+
+def _cache_name(data_files: list[str] | None, preset: str, cfg: PairConfig) -> str:
+    if not data_files:
+        return "default-pair" if preset == "default" else f"{preset}-pair"
+    h = hashlib.sha256(json.dumps({"version": BUILD_VERSION, "config": asdict(cfg)}, sort_keys=True).encode())
+    for p in data_files:
+        # Path and size (not content) keep the key cheap for multi-GB files; a same-size edit
+        # needs force=True.
+        h.update(f"{os.path.abspath(p)}\0{os.path.getsize(p)}\0".encode())
+    return f"pair-{h.hexdigest()[:12]}"
+
+
+def _paths(d: Path) -> dict:
+    return {"target": str(d / "target"), "draft": str(d / "draft"), "prompts": str(d / "prompts.jsonl")}
+
+
+def _is_complete(d: Path, cfg: PairConfig) -> bool:
+    if not (d / COMPLETE_MARKER).exists():
+        return False
+    try:
+        info = json.loads((d / "build.json").read_text())
+    except (OSError, ValueError):
+        return False
+    # A preset edited since the build (or an older recipe) must not be served from cache.
+    return info.get("version") == BUILD_VERSION and info.get("config") == json.loads(json.dumps(asdict(cfg)))
+
+
+def build_pair(data_files: list[str] | None = None, out_root: str | None = None, force: bool = False,
+               preset: str = "default") -> dict:
+    """Build (or find cached) the (target, draft) pair; returns {"target", "draft", "prompts"} paths."""
+    if preset not in PRESETS:
+        raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
+    cfg = PRESETS[preset]
+    data_files = [str(p) for p in data_files] if data_files else None
+    for p in data_files or []:
+        if not os.path.isfile(p):
+            raise FileNotFoundError(f"data file not found: {p}")
+    root = Path(out_root) if out_root else _default_root()
+    final = root / _cache_name(data_files, preset, cfg)
+    if not force and _is_complete(final, cfg):
+        return _paths(final)
+
+    root.mkdir(parents=True, exist_ok=True)
+    # Built beside its final place (same filesystem) so os.replace is one atomic rename; a
+    # crash leaves only a .tmp-* directory that never carries the marker.
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
+    try:
+        info = _build_into(tmp, data_files, cfg, preset)
+        (tmp / "build.json").write_text(json.dumps(info, indent=2))
+        (tmp / COMPLETE_MARKER).write_text("ok\n")  # last: its presence means everything else is
+        if final.exists():
+            shutil.rmtree(final)
+        try:
+            os.replace(tmp, final)
+        except OSError:
+            # A concurrent build of the same inputs won the rename; its result is as good as ours.
+            if not _is_complete(final, cfg):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return _paths(final)
+
+
+def _build_into(out: Path, data_files: list[str] | None, cfg: PairConfig, preset: str) -> dict:
+    t0 = time.perf_counter()
+    docs = load_corpus(data_files, cfg)
+    train_docs, held_docs = split_heldout(docs, cfg.n_prompts, cfg.seed)
+    prompts = make_prompts(held_docs, cfg.n_prompts, cfg.seed + 1)
+
+    tokenizer = train_tokenizer(train_docs, cfg.vocab_size)
+    stream = encode_stream(train_docs, tokenizer)  # [n_tokens]
+    held_stream = encode_stream(held_docs, tokenizer)
+
+    target = make_model(cfg.target, cfg, tokenizer, cfg.seed)
+    draft = make_model(cfg.draft, cfg, tokenizer, cfg.seed + 1)
+    n_target, n_draft = count_params(target), count_params(draft)
+    print(f"[bootstrap] {len(train_docs)} train docs, {len(stream):,} tokens, vocab {len(tokenizer)}; "
+          f"target {n_target / 1e6:.2f}M params, draft {n_draft / 1e6:.3f}M params", file=sys.stderr)
+
+    target_loss = train_lm(target, stream, cfg.seq_len, cfg.target_train, cfg.seed, "train target")
+    draft_loss = train_lm(draft, stream, cfg.seq_len, cfg.draft_train, cfg.seed + 1, "train draft")
+    distill_kl = None
+    if cfg.draft_distill:
+        target.requires_grad_(False)
+        distill_kl = train_lm(draft, stream, cfg.seq_len, cfg.draft_distill, cfg.seed + 2, "distil draft", target)
+    losses = {
+        "target_train": target_loss, "draft_train": draft_loss, "draft_distill_kl": distill_kl,
+        "target_heldout": eval_loss(target, held_stream, cfg.seq_len),
+        "draft_heldout": eval_loss(draft, held_stream, cfg.seq_len),
+    }
+    alpha = None
+    if cfg.alpha_prompts:
+        alpha = greedy_acceptance(target, draft, tokenizer, prompts[: cfg.alpha_prompts], cfg.alpha_new_tokens)
+
+    for name, model in (("target", target), ("draft", draft)):
+        model.save_pretrained(out / name)
+        tokenizer.save_pretrained(out / name)  # the same vocabulary in both: a hard requirement
+    with open(out / "prompts.jsonl", "w", encoding="utf-8") as f:
+        for p in prompts:
+            f.write(json.dumps({"prompt": p}) + "\n")
+
+    elapsed = time.perf_counter() - t0
+    print(f"[bootstrap] final loss: target {target_loss:.3f} (held-out {losses['target_heldout']:.3f}), "
+          f"draft {draft_loss:.3f} (held-out {losses['draft_heldout']:.3f}); "
+          f"greedy acceptance ~{alpha if alpha is None else round(alpha, 3)}; elapsed {elapsed:.1f}s",
+          file=sys.stderr)
+    return {
+        "version": BUILD_VERSION, "preset": preset, "config": asdict(cfg),
+        "data_files": [{"path": os.path.abspath(p), "bytes": os.path.getsize(p)} for p in data_files or []],
+        "corpus": {"train_docs": len(train_docs), "heldout_docs": len(held_docs),
+                   "train_tokens": len(stream), "vocab_size": len(tokenizer)},
+        "params": {"target": n_target, "draft": n_draft}, "losses": losses, "alpha_estimate": alpha,
+        "elapsed_s": round(elapsed, 1), "torch": torch.__version__, "bf16_autocast": _cpu_has_bf16(),
+    }
+
+
+# ----------------------------------------------------------------------------- CLI helpers
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data", nargs="+", metavar="FILE", default=None,
+                        help="train on these .txt/.jsonl/.jsonl.gz/.json files instead of the stdlib")
+    parser.add_argument("--out", default=None, help="output root (default $OSD_SERVE_HOME or ~/.cache/osd-serve)")
+    parser.add_argument("--force", action="store_true", help="rebuild even if a complete build is cached")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="default")
+
+
+def main(args: argparse.Namespace) -> int:
+    paths = build_pair(args.data, args.out, args.force, args.preset)
+    print(json.dumps(paths, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    _parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(_parser)
+    raise SystemExit(main(_parser.parse_args()))

@@ -1,0 +1,148 @@
+"""The bootstrap pair builder: HF-loadable output, shared vocab, size ratio, caching, data readers.
+
+One tiny build per session (module fixture) keeps the file to a few seconds of training.
+"""
+
+import gzip
+import json
+import os
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from osd_serve import bootstrap
+from osd_serve.bootstrap import build_pair, read_documents, record_text
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("osd-home")
+    return root, build_pair(out_root=str(root), preset="tiny")
+
+
+def test_dirs_load_with_auto_classes(tiny_pair):
+    _, paths = tiny_pair
+    for name in ("target", "draft"):
+        model = AutoModelForCausalLM.from_pretrained(paths[name])
+        tok = AutoTokenizer.from_pretrained(paths[name])
+        assert type(model).__name__ == "LlamaForCausalLM"
+        ids = tok("def f(x):\n    return x", return_tensors="pt").input_ids  # [1, n]
+        assert ids[0, 0].item() == tok.bos_token_id  # prompts start like training documents
+        with torch.no_grad():
+            logits = model(ids).logits  # [1, n, vocab]
+        assert logits.shape == (1, ids.shape[1], len(tok))
+        assert tok.eos_token_id is not None and tok.pad_token_id is not None
+        for f in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json"):
+            assert os.path.isfile(os.path.join(paths[name], f)), f
+
+
+def test_identical_vocab_and_size_ratio(tiny_pair):
+    _, paths = tiny_pair
+    t_tok = AutoTokenizer.from_pretrained(paths["target"])
+    d_tok = AutoTokenizer.from_pretrained(paths["draft"])
+    assert t_tok.get_vocab() == d_tok.get_vocab()
+    text = "for i in range(10):\n    print(i, 'é')\n"
+    assert t_tok(text).input_ids == d_tok(text).input_ids
+    assert t_tok.decode(t_tok(text).input_ids, skip_special_tokens=True) == text  # byte-level round-trip
+    target = AutoModelForCausalLM.from_pretrained(paths["target"])
+    draft = AutoModelForCausalLM.from_pretrained(paths["draft"])
+    assert target.config.vocab_size == draft.config.vocab_size == len(t_tok)
+    assert target.num_parameters() >= 10 * draft.num_parameters()
+
+
+def test_prompts_and_build_info(tiny_pair):
+    root, paths = tiny_pair
+    lines = [json.loads(l) for l in open(paths["prompts"], encoding="utf-8")]
+    assert lines and all(isinstance(l["prompt"], str) and l["prompt"].strip() for l in lines)
+    info = json.loads((root / "tiny-pair" / "build.json").read_text())
+    assert info["params"]["target"] >= 10 * info["params"]["draft"]
+    assert (root / "tiny-pair" / bootstrap.COMPLETE_MARKER).exists()
+    assert not [p for p in root.iterdir() if p.name.startswith(".tmp-")]  # temp dir renamed away
+
+
+def test_second_call_is_cached(tiny_pair, monkeypatch):
+    root, paths = tiny_pair
+    # A cache hit must not train anything: make training explode if it is reached.
+    monkeypatch.setattr(bootstrap, "train_lm", lambda *a, **k: pytest.fail("rebuilt a cached pair"))
+    t0 = time.perf_counter()
+    again = build_pair(out_root=str(root), preset="tiny")
+    assert again == paths
+    assert time.perf_counter() - t0 < 1.0
+
+
+def test_interrupted_build_never_looks_complete(tmp_path, monkeypatch):
+    def interrupted(out, *args):
+        (out / "target").mkdir()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bootstrap, "_build_into", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        build_pair(out_root=str(tmp_path), preset="tiny")
+    assert list(tmp_path.iterdir()) == []  # the half-written temp dir is gone, nothing renamed in
+    # A leftover directory without the marker (e.g. killed -9 mid-rename) is not a cache hit.
+    (tmp_path / "tiny-pair" / "target").mkdir(parents=True)
+    assert not bootstrap._is_complete(tmp_path / "tiny-pair", bootstrap.PRESETS["tiny"])
+
+
+def test_seeded_build_is_reproducible(tiny_pair, tmp_path):
+    _, paths = tiny_pair
+    again = build_pair(out_root=str(tmp_path), preset="tiny")
+    for name in ("target", "draft"):
+        a = AutoModelForCausalLM.from_pretrained(paths[name]).state_dict()
+        b = AutoModelForCausalLM.from_pretrained(again[name]).state_dict()
+        assert all(torch.equal(a[k], b[k]) for k in a), name
+    assert open(paths["prompts"]).read() == open(again["prompts"]).read()
+
+
+def test_default_root_and_bad_arguments(tmp_path, monkeypatch):
+    monkeypatch.setenv("OSD_SERVE_HOME", str(tmp_path))
+    assert bootstrap._default_root() == tmp_path
+    with pytest.raises(ValueError, match="preset"):
+        build_pair(preset="huge")
+    with pytest.raises(FileNotFoundError):
+        build_pair([str(tmp_path / "missing.jsonl")], preset="tiny")
+    with pytest.raises(ValueError, match="ModelDims.kv_heads"):
+        bootstrap.ModelDims(hidden=64, layers=1, intermediate=64, heads=4, kv_heads=3)
+
+
+def test_record_text_joins_string_fields():
+    rec = {"question": "How many?", "answer": "4", "id": 7, "tags": ["a"], "empty": "", "x": None}
+    assert record_text(rec) == "How many?\n4"
+
+
+def test_readers(tmp_path):
+    recs = [{"q": f"question {i}", "a": f"answer {i}", "n": i} for i in range(3)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs) + "\n")
+    (tmp_path / "d.json").write_text(json.dumps(recs))
+    with gzip.open(tmp_path / "d.jsonl.gz", "wt") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in recs))
+    (tmp_path / "d.txt").write_text("first paragraph\nline two\n\nsecond paragraph\n")
+    want = [f"question {i}\nanswer {i}" for i in range(3)]
+    assert list(read_documents(str(tmp_path / "d.jsonl"))) == want
+    assert list(read_documents(str(tmp_path / "d.json"))) == want
+    assert list(read_documents(str(tmp_path / "d.jsonl.gz"))) == want
+    assert [d.strip() for d in read_documents(str(tmp_path / "d.txt"))] == [
+        "first paragraph\nline two", "second paragraph"]
+    with pytest.raises(ValueError, match="unsupported"):
+        list(read_documents(str(tmp_path / "d.csv")))
+
+
+def test_build_from_data_files(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    recs = [{"question": f"What is {i} plus {i}?", "answer": f"{i} + {i} = {2 * i}"} for i in range(300)]
+    (data / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (data / "b.json").write_text(json.dumps([{"query": f"SELECT {i} FROM t", "db": 3} for i in range(200)]))
+    (data / "c.txt").write_text("\n\n".join(f"Paragraph {i} of plain text." for i in range(200)))
+    files = [str(data / n) for n in ("a.jsonl", "b.json", "c.txt")]
+    paths = build_pair(files, out_root=str(tmp_path / "out"), preset="tiny")
+    assert os.path.basename(os.path.dirname(paths["target"])).startswith("pair-")
+    info = json.loads(open(os.path.join(os.path.dirname(paths["target"]), "build.json")).read())
+    assert [d["path"] for d in info["data_files"]] == [os.path.abspath(f) for f in files]
+    tok = AutoTokenizer.from_pretrained(paths["draft"])
+    assert len(tok) > 259  # BPE learnt merges from this data, not only the byte alphabet
+    # Different data files are a different cache entry.
+    assert bootstrap._cache_name(files[:1], "tiny", bootstrap.PRESETS["tiny"]) != os.path.basename(
+        os.path.dirname(paths["target"]))
