@@ -62,7 +62,8 @@ class ModelDims:
         for name in ("hidden", "layers", "intermediate", "heads", "kv_heads"):
             _require(getattr(self, name) >= 1, f"ModelDims.{name}", ">= 1", getattr(self, name))
         _require(self.hidden % self.heads == 0, "ModelDims.heads", f"a divisor of hidden={self.hidden}", self.heads)
-        _require(self.heads % self.kv_heads == 0, "ModelDims.kv_heads", f"a divisor of heads={self.heads}", self.kv_heads)
+        _require(self.heads % self.kv_heads == 0, "ModelDims.kv_heads", f"a divisor of heads={self.heads}",
+                 self.kv_heads)
 
 
 @dataclass(frozen=True)
@@ -124,9 +125,6 @@ PRESETS: dict[str, PairConfig] = {
         draft_distill=TrainSchedule(steps=2, batch=2, lr=1e-3, warmup=0),
     ),
 }
-
-
-# ----------------------------------------------------------------------------- corpus
 
 
 def record_text(record: object) -> str:
@@ -241,9 +239,6 @@ def make_prompt(doc: str, rng: random.Random, max_chars: int = 320) -> str:
     return out if out.strip() else doc[:max_chars]
 
 
-# ----------------------------------------------------------------------------- tokenizer
-
-
 def train_tokenizer(docs: list[str], vocab_size: int):
     """Byte-level BPE (no unknown tokens, any UTF-8 round-trips) with bos/eos/pad."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -276,9 +271,6 @@ def encode_stream(docs: list[str], tokenizer) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
-# ----------------------------------------------------------------------------- models
-
-
 def make_model(dims: ModelDims, cfg: PairConfig, tokenizer, seed: int):
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
@@ -305,11 +297,6 @@ def make_model(dims: ModelDims, cfg: PairConfig, tokenizer, seed: int):
     return model
 
 
-def count_params(model: torch.nn.Module) -> int:
-    # Tied embeddings are one tensor; parameters() already yields shared tensors once.
-    return sum(p.numel() for p in model.parameters())
-
-
 def _cpu_has_bf16() -> bool:
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
@@ -322,12 +309,9 @@ def train_lm(model, stream: torch.Tensor, seq_len: int, sched: TrainSchedule, se
     """AdamW on random windows of `stream`: next-token cross-entropy, or with a `teacher`,
     KL(teacher || model) on its soft labels. Returns the smoothed final loss."""
     gen = torch.Generator().manual_seed(seed)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]  # norms: decay would shrink them
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=sched.lr, betas=(0.9, 0.95),
-    )
+    groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+              {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]  # norm gains
+    opt = torch.optim.AdamW(groups, lr=sched.lr, betas=(0.9, 0.95))
 
     def lr_at(step: int) -> float:  # linear warmup, cosine to 10%
         if step < sched.warmup:
@@ -384,10 +368,8 @@ def greedy_acceptance(target, draft, tokenizer, prompts: list[str], new_tokens: 
     agree = total = 0
     for prompt in prompts:
         ids = torch.tensor([tokenizer(prompt)["input_ids"]])  # [1, prompt_len]
-        out = target.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
-            eos_token_id=None, pad_token_id=tokenizer.pad_token_id,
-        )  # [1, prompt_len + new_tokens]
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+                              eos_token_id=None, pad_token_id=tokenizer.pad_token_id)  # [1, prompt_len + new]
         cont = out[0, ids.shape[1] :]
         # Logits at position i predict token i+1, so the slice ending one before the last token
         # scores exactly the continuation.
@@ -395,9 +377,6 @@ def greedy_acceptance(target, draft, tokenizer, prompts: list[str], new_tokens: 
         agree += int((logits.argmax(-1) == cont).sum())
         total += len(cont)
     return agree / max(1, total)
-
-
-# ----------------------------------------------------------------------------- build + cache
 
 
 def _default_root() -> Path:
@@ -430,6 +409,22 @@ def _is_complete(d: Path, cfg: PairConfig) -> bool:
     return info.get("version") == BUILD_VERSION and info.get("config") == json.loads(json.dumps(asdict(cfg)))
 
 
+def _sweep_stale_tmp(root: Path) -> None:
+    """Delete temp dirs left by killed builds (up to ~130 MB each): their process is gone."""
+    for d in root.glob(".tmp-*"):
+        age = 0.0
+        try:
+            age = time.time() - d.stat().st_mtime
+            os.kill(int((d / "PID").read_text()), 0)  # signal 0 only checks the process exists
+            continue
+        except ProcessLookupError:
+            pass
+        except (OSError, ValueError):  # no PID file yet (a build just starting), or d vanished
+            if age < 3600:
+                continue
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def build_pair(data_files: list[str] | None = None, out_root: str | None = None, force: bool = False,
                preset: str = "default") -> dict:
     """Build (or find cached) the (target, draft) pair; returns {"target", "draft", "prompts"} paths."""
@@ -446,12 +441,15 @@ def build_pair(data_files: list[str] | None = None, out_root: str | None = None,
         return _paths(final)
 
     root.mkdir(parents=True, exist_ok=True)
+    _sweep_stale_tmp(root)
     # Built beside its final place (same filesystem) so os.replace is one atomic rename; a
     # crash leaves only a .tmp-* directory that never carries the marker.
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
     try:
+        (tmp / "PID").write_text(str(os.getpid()))
         info = _build_into(tmp, data_files, cfg, preset)
         (tmp / "build.json").write_text(json.dumps(info, indent=2))
+        (tmp / "PID").unlink()
         (tmp / COMPLETE_MARKER).write_text("ok\n")  # last: its presence means everything else is
         if final.exists():
             shutil.rmtree(final)
@@ -478,7 +476,8 @@ def _build_into(out: Path, data_files: list[str] | None, cfg: PairConfig, preset
 
     target = make_model(cfg.target, cfg, tokenizer, cfg.seed)
     draft = make_model(cfg.draft, cfg, tokenizer, cfg.seed + 1)
-    n_target, n_draft = count_params(target), count_params(draft)
+    # parameters() yields a tied embedding once, so this counts what is stored and streamed.
+    n_target, n_draft = (sum(p.numel() for p in m.parameters()) for m in (target, draft))
     print(f"[bootstrap] {len(train_docs)} train docs, {len(stream):,} tokens, vocab {len(tokenizer)}; "
           f"target {n_target / 1e6:.2f}M params, draft {n_draft / 1e6:.3f}M params", file=sys.stderr)
 

@@ -107,6 +107,19 @@ def test_default_root_and_bad_arguments(tmp_path, monkeypatch):
         bootstrap.ModelDims(hidden=64, layers=1, intermediate=64, heads=4, kv_heads=3)
 
 
+def test_killed_builds_temp_dirs_are_swept(tmp_path):
+    dead = tmp_path / ".tmp-default-pair-dead"
+    dead.mkdir()
+    (dead / "PID").write_text("999999999")  # above any pid_max: no such process
+    alive = tmp_path / ".tmp-default-pair-alive"
+    alive.mkdir()
+    (alive / "PID").write_text(str(os.getpid()))
+    young = tmp_path / ".tmp-default-pair-young"  # no PID file yet: a build that just started
+    young.mkdir()
+    bootstrap._sweep_stale_tmp(tmp_path)
+    assert not dead.exists() and alive.exists() and young.exists()
+
+
 def test_record_text_joins_string_fields():
     rec = {"question": "How many?", "answer": "4", "id": 7, "tags": ["a"], "empty": "", "x": None}
     assert record_text(rec) == "How many?\n4"
