@@ -13,7 +13,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from osd_serve import bootstrap
-from osd_serve.bootstrap import build_pair, read_documents, record_text
+from osd_serve.bootstrap import build_pair
+from osd_serve.corpus import read_documents, record_text
 
 
 @pytest.fixture(scope="module")
