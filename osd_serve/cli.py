@@ -1,4 +1,4 @@
-"""The `osd-serve` command line: bootstrap, generate, bench."""
+"""The `osd-serve` command line: bootstrap, generate, bench, replay."""
 
 from __future__ import annotations
 
@@ -116,6 +116,74 @@ def cmd_bench(args) -> None:
     print(text)
 
 
+def cmd_replay(args) -> None:
+    import torch
+
+    from .config import EngineConfig, SamplingParams
+    from .distill.guard import GuardConfig
+    from .distill.recorder import RecordConfig
+    from .distill.replay import BufferConfig
+    from .distill.trainer import TrainConfig
+    from .replay import load_stream, replay
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        fields = args.field.split(",") if args.field else None
+        template = args.template.encode().decode("unicode_escape") if args.template else None
+        stream = load_stream(args.data, fields, template, args.order, args.seed, args.max_requests)
+        params = SamplingParams(max_tokens=args.max_tokens, num_speculative_tokens=args.num_speculative_tokens)
+        params.validate()
+        train = TrainConfig(mode=args.mode, lr=args.lr, steps_per_update=args.steps_per_update, batch_size=args.train_batch,
+                            loss=args.loss, beta=args.beta, student_fraction=0.0, chunk_size=args.chunk_size, seed=args.seed)
+        buffer = BufferConfig(max_bytes=args.buffer_mb << 20, trigger_records=args.trigger_records,
+                              trigger_age_s=args.trigger_age_s, eviction=args.eviction, seed=args.seed)
+        record = RecordConfig(keep=args.keep, topk=args.topk)
+        guard = GuardConfig(tolerance=args.guard_tolerance)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"error: {e}")
+    target, draft, tok = _load(args)
+    res = replay(target, draft, tok, stream, args.out, params, train, buffer, record, guard,
+                 EngineConfig(max_batch_size=args.batch_size), offline_epochs=args.offline_epochs,
+                 skip_baselines=args.online_only)
+    summary = {name: {"final_alpha": r["final_alpha"], "wall_s": round(r["wall_s"], 1)} for name, r in res["runs"].items()}
+    summary["online"] |= {"updates": res["runs"]["online"]["updates"], "published": res["runs"]["online"]["published"]}
+    print(json.dumps({"out": args.out, "requests": res["requests"], "outputs_identical": res["outputs_identical"],
+                      "throughput_while_training": res.get("throughput_while_training"), "runs": summary}))
+
+
+def _replay_args(r: argparse.ArgumentParser) -> None:
+    _pair_args(r)
+    r.add_argument("--data", nargs="+", required=True, metavar="FILE", help=".jsonl/.jsonl.gz/.json prompt sources, in order")
+    r.add_argument("--field", help="prompt field; comma-separated names try each in turn (default: first string field)")
+    r.add_argument("--template", help="join fields, e.g. '{instruction}\\n{input}\\n' (overrides --field)")
+    r.add_argument("--order", choices=["sequential", "shuffle"], default="sequential",
+                   help="sequential: files one after another (a distribution shift); shuffle: mixed")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--max-requests", type=int, default=None, help="total; sequential order gives each file an equal share")
+    r.add_argument("--max-tokens", type=int, default=64)
+    r.add_argument("--num-speculative-tokens", type=int, default=4)
+    r.add_argument("--batch-size", type=int, default=8)
+    r.add_argument("--trigger-records", type=int, default=8, help="update after this many new records (the paper's I)...")
+    r.add_argument("--trigger-age-s", type=float, default=30.0, help="...or when the oldest new record is this old")
+    r.add_argument("--buffer-mb", type=int, default=256)
+    r.add_argument("--eviction", choices=["fifo", "reservoir"], default="fifo")
+    r.add_argument("--keep", choices=["mismatch", "all"], default="all", help="positions recorded: draft errors only, or all verified")
+    r.add_argument("--topk", type=int, default=0, help="store top-k target probs + rest mass (0: full distribution)")
+    r.add_argument("--loss", choices=["forward_kl", "reverse_kl", "jsd", "tvd"], default="forward_kl")
+    r.add_argument("--beta", type=float, default=0.5, help="JSD beta")
+    r.add_argument("--mode", choices=["full", "lora"], default="full")
+    r.add_argument("--lr", type=float, default=1e-3)
+    r.add_argument("--steps-per-update", type=int, default=16)
+    r.add_argument("--train-batch", type=int, default=8)
+    r.add_argument("--chunk-size", type=int, default=0, help="> 0: forward KL through the chunked/fused kernel path")
+    r.add_argument("--guard-tolerance", type=float, default=0.0)
+    r.add_argument("--offline-epochs", type=int, default=4)
+    r.add_argument("--online-only", action="store_true", help="skip the static and offline baselines")
+    r.add_argument("--threads", type=int, default=0)
+    r.add_argument("--out", required=True, metavar="DIR")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="osd-serve", description="Online speculative decoding server and tools")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -124,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--data", nargs="+", metavar="FILE", help="train on these .jsonl/.json/.txt files instead of the built-in corpus")
     b.add_argument("--out", help="output root (default $OSD_SERVE_HOME or ~/.cache/osd-serve)")
     b.add_argument("--force", action="store_true", help="rebuild even if a finished build exists")
-    b.add_argument("--preset", default="default", choices=["default", "tiny"], help="tiny: seconds-long build for tests")
+    b.add_argument("--preset", default="default", choices=["default", "osd", "tiny"], help="tiny: seconds-long build for tests; osd: weak undistilled draft for online-distillation experiments")
     b.set_defaults(fn=cmd_bootstrap)
 
     g = sub.add_parser("generate", help="generate completions for a jsonl file of {\"prompt\": ...}")
@@ -150,6 +218,10 @@ def main(argv: list[str] | None = None) -> None:
     n.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     n.add_argument("--out", metavar="FILE.json")
     n.set_defaults(fn=cmd_bench)
+
+    r = sub.add_parser("replay", help="replay a prompt stream with online distillation; static/offline/online α")
+    _replay_args(r)
+    r.set_defaults(fn=cmd_replay)
 
     args = ap.parse_args(argv)
     args.fn(args)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import secrets
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -50,8 +51,14 @@ def _max_len(model) -> int:
 
 
 class SpecEngine:
-    def __init__(self, target, draft, tokenizer, config: EngineConfig | None = None):
+    def __init__(self, target, draft, tokenizer, config: EngineConfig | None = None, recorder=None):
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
+        # Online distillation hooks: a Recorder (distill/recorder.py) sees every step and finished
+        # request; swap_draft() publishes new draft weights, applied between steps.
+        self.recorder = recorder
+        self.draft_version = 0
+        self._swap_lock = threading.Lock()
+        self._pending_swap: tuple[dict, int] | None = None
         self.config = config or EngineConfig()
         self.device = next(target.parameters()).device
         self.vocab = target.get_output_embeddings().weight.shape[0]
@@ -67,7 +74,10 @@ class SpecEngine:
         self._ids = itertools.count()
 
     # ---- requests -------------------------------------------------------------------------------
-    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, request_id: str | None = None) -> str:
+    def add_request(
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None, request_id: str | None = None,
+        expert: str = "default",
+    ) -> str:
         params = params or SamplingParams()
         params.validate()
         if isinstance(prompt, str):
@@ -89,7 +99,7 @@ class SpecEngine:
         gen = None
         if not params.greedy:
             gen = torch.Generator().manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
-        self.waiting.append(Request(rid, text, ids, params, gen))
+        self.waiting.append(Request(rid, text, ids, params, gen, expert=expert))
         return rid
 
     def abort(self, request_id: str) -> None:
@@ -154,6 +164,7 @@ class SpecEngine:
         """Admit waiting requests, run one speculative step, return the new output of every row."""
         t0 = time.perf_counter()
         self._drop_finished()
+        self._apply_swap()
         self._admit()
         prefill = time.perf_counter() - t0
         if not self.running:
@@ -163,6 +174,9 @@ class SpecEngine:
         u_draft, u_verify = self._uniforms(k)
         out = speculative_step(self._target_kv, self._draft_kv, rows, self.vocab, u_draft, u_verify)
         tokens, n_acc, k_rows = out.tokens.tolist(), out.num_accepted.tolist(), rows.k.tolist()
+        if self.recorder is not None:
+            before = [len(r.output_ids) for r in self.running]
+            self.recorder.observe(self.running, out, n_acc, k_rows, before, self.draft_version)
         acc_pos, prop_pos = [0] * k, [0] * k
         emitted = 0
         for r, toks, a, kr in zip(self.running, tokens, n_acc, k_rows):
@@ -188,7 +202,47 @@ class SpecEngine:
                 kv.compact()
         return deltas, stats
 
+    # ---- draft hot-swap ---------------------------------------------------------------------------
+    def swap_draft(self, state: dict[str, torch.Tensor], version: int) -> None:
+        """Publish new draft weights (names as in ``draft.state_dict()``). Safe from any thread: the
+        swap happens at the start of the next step, never inside one. Any draft keeps the output
+        lossless; only acceptance depends on it."""
+        unknown = set(state) - set(self.draft.state_dict())
+        if unknown:
+            raise ValueError(f"swap_draft: state has names the draft does not: {sorted(unknown)[:3]}")
+        with self._swap_lock:
+            self._pending_swap = (state, version)
+
+    def _apply_swap(self) -> None:
+        with self._swap_lock:
+            pending, self._pending_swap = self._pending_swap, None
+        if pending is None:
+            return
+        state, version = pending
+        self.draft.load_state_dict(state, strict=False)
+        self.draft_version = version
+        if self.running:  # the draft cache holds keys/values of the old weights: recompute it
+            self._draft_kv = self._refill_draft_cache()
+
+    def _refill_draft_cache(self) -> BatchKV:
+        """A fresh draft cache holding what the invariant in spec.py says: positions 0..N-1-pending_n."""
+        seqs = [r.prompt_ids + r.output_ids for r in self.running]
+        lens = [len(s) - int(m) for s, m in zip(seqs, self._rows.pending_n.tolist())]
+        width = max(lens)
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        for i, (s, n) in enumerate(zip(seqs, lens)):
+            ids[i, :n] = torch.tensor(s[:n])
+        valid = torch.arange(width)[None, :] < torch.tensor(lens)[:, None]  # [B, W]
+        kv = BatchKV(self.draft, len(seqs), self.device)
+        if width:
+            kv.forward(ids.to(self.device), valid.to(self.device))
+        return kv
+
     def _drop_finished(self) -> None:
+        if self.recorder is not None:
+            for r in self.running:
+                if r.finished:
+                    self.recorder.finish(r)
         keep = [i for i, r in enumerate(self.running) if not r.finished]
         if len(keep) == len(self.running):
             return

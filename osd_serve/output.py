@@ -53,6 +53,7 @@ class Request:
     proposed: int = 0
     accepted: int = 0
     steps: int = 0
+    expert: str = "default"  # the draft expert (LoRA adapter) serving it; its records go to that shard
     _sent_ids: int = 0  # how many output ids / chars were already streamed
     _sent_chars: int = 0
 

@@ -48,6 +48,10 @@ class StepOutput:
     draft_tokens: torch.Tensor  # [B, k]
     target_probs: torch.Tensor  # [B, k+1, V]
     draft_probs: torch.Tensor  # [B, k, V]
+    # Raw (temperature 1, unfiltered) logits, padded to V: distillation learns the target's own
+    # distribution, not the one-hot a greedy request verifies against.
+    target_logits: torch.Tensor  # [B, k+1, V]
+    draft_logits: torch.Tensor  # [B, k, V]
     draft_time: float
     target_time: float
 
@@ -57,12 +61,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _probs(logits: torch.Tensor, rows: RowState, vocab: int) -> torch.Tensor:
-    """Process [B, T, V'] logits with each row's params into [B, T, vocab] probs (same rule for p and q)."""
-    b, t, v = logits.shape
-    if v < vocab:  # a draft with a smaller embedding never proposes the missing ids: q = 0 there
-        logits = torch.nn.functional.pad(logits, (0, vocab - v), value=float("-inf"))
-    flat = logits[..., :vocab].reshape(b * t, vocab)
+def _fit_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, T, V'] -> [B, T, vocab]. A draft with a smaller embedding never proposes the missing ids."""
+    if logits.shape[-1] < vocab:
+        return torch.nn.functional.pad(logits, (0, vocab - logits.shape[-1]), value=float("-inf"))
+    return logits[..., :vocab]
+
+
+def _probs(logits: torch.Tensor, rows: RowState) -> torch.Tensor:
+    """Process [B, T, V] logits with each row's params into [B, T, V] probs (same rule for p and q)."""
+    b, t, vocab = logits.shape
+    flat = logits.reshape(b * t, vocab)
     probs = logits_to_probs(
         flat,
         rows.temperature.repeat_interleave(t),
@@ -76,21 +85,22 @@ def propose(draft: BatchKV, rows: RowState, k: int, vocab: int, u_draft: torch.T
     """The draft proposes k tokens per row, autoregressively on its own cache.
 
     u_draft [B, k] uniforms for sampling each proposal (ignored by greedy rows: their q is one-hot).
-    returns draft_tokens [B, k] int64, draft_probs [B, k, V] float32.
+    returns draft_tokens [B, k] int64, draft_probs [B, k, V] float32, draft_logits [B, k, V].
     """
     active = rows.k > 0  # [B] rows with k=0 never read their draft, so their cache is not fed
     steps = torch.arange(2, device=rows.k.device)
     inp, inp_valid = rows.pending, (steps[None, :] < rows.pending_n[:, None]) & active[:, None]  # [B, 2]
-    tokens, probs = [], []
+    tokens, probs, raw = [], [], []
     for j in range(k):
-        logits = draft.forward(inp, inp_valid)  # [B, T, V']
+        logits = _fit_vocab(draft.forward(inp, inp_valid), vocab)  # [B, T, V]
         last = (inp_valid.long().sum(1) - 1).clamp_min(0)  # [B] index of each row's last real input
-        q = _probs(logits[torch.arange(len(last)), last][:, None], rows, vocab)[:, 0]  # [B, V]
+        raw.append(logits[torch.arange(len(last)), last])  # [B, V]
+        q = _probs(raw[-1][:, None], rows)[:, 0]  # [B, V]
         x = sample_from_probs(q, u_draft[:, j])  # [B]
         tokens.append(x)
         probs.append(q)
         inp, inp_valid = x[:, None], (j + 1 < rows.k)[:, None]
-    return torch.stack(tokens, 1), torch.stack(probs, 1)
+    return torch.stack(tokens, 1), torch.stack(probs, 1), torch.stack(raw, 1)
 
 
 def speculative_step(
@@ -105,17 +115,18 @@ def speculative_step(
     # 1. propose
     t0 = time.perf_counter()
     if k > 0:
-        draft_tokens, draft_probs = propose(draft, rows, k, vocab, u_draft)
+        draft_tokens, draft_probs, draft_logits = propose(draft, rows, k, vocab, u_draft)
     else:
         draft_tokens = torch.empty(b, 0, dtype=torch.long, device=device)
-        draft_probs = torch.empty(b, 0, vocab, device=device)
+        draft_probs = draft_logits = torch.empty(b, 0, vocab, device=device)
     _sync(device)
     t1 = time.perf_counter()
 
     # 2. verify: one target forward over [last, d_1..d_k]; positions past a row's own k are padding
     inp = torch.cat([rows.last[:, None], draft_tokens], 1)  # [B, k+1]
     inp_valid = torch.arange(k + 1, device=device)[None, :] <= rows.k[:, None]  # [B, k+1]
-    target_probs = _probs(target.forward(inp, inp_valid), rows, vocab)  # [B, k+1, V]
+    target_logits = _fit_vocab(target.forward(inp, inp_valid), vocab)  # [B, k+1, V]
+    target_probs = _probs(target_logits, rows)  # [B, k+1, V]
 
     # 3. accept (pure function in kernels/)
     tokens, num_accepted = verify(target_probs, draft_probs, draft_tokens, rows.k, u_verify)
@@ -136,4 +147,6 @@ def speculative_step(
     rows.last = new_last
 
     # 5. record
-    return StepOutput(tokens, num_accepted, draft_tokens, target_probs, draft_probs, t1 - t0, t2 - t1)
+    return StepOutput(
+        tokens, num_accepted, draft_tokens, target_probs, draft_probs, target_logits, draft_logits, t1 - t0, t2 - t1
+    )

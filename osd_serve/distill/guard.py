@@ -1,0 +1,81 @@
+"""The publish guard: a new draft version serves only if it is no worse than the one serving now.
+
+Measured on held-out records (recent traffic the update did not train on), with the target's
+distributions the records already carry, so the guard costs draft forwards only:
+    alpha-hat  mean over kept positions of sum_x min(p(x), q(x))  (= expected acceptance)
+    greedy     mean of argmax q == argmax p                         (greedy acceptance)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .replay import ReplayRecord
+
+
+@dataclass
+class GuardConfig:
+    tolerance: float = 0.0  # publish if alpha-hat(new) >= alpha-hat(serving) - tolerance
+    heldout_fraction: float = 0.25  # the newest records of an update, held out of its training
+    min_heldout: int = 2
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.heldout_fraction < 1.0:
+            raise ValueError(f"heldout_fraction must be in (0, 1), got {self.heldout_fraction}")
+        if self.tolerance < 0:
+            raise ValueError(f"tolerance must be >= 0, got {self.tolerance}")
+
+
+@dataclass
+class Verdict:
+    publish: bool
+    reason: str
+    candidate: dict  # {"expected_acceptance", "greedy_agreement", "positions"}
+    serving: dict
+
+
+@torch.no_grad()
+def evaluate(model, records: list[ReplayRecord], vocab: int, batch: int = 16) -> dict:
+    """alpha-hat and greedy agreement of ``model`` against the records' target distributions."""
+    was_training = model.training
+    model.eval()
+    overlap, agree, n = 0.0, 0, 0
+    for i in range(0, len(records), batch):
+        recs = records[i : i + batch]
+        seqs = [torch.cat([r.prompt_ids, r.response_ids]).long() for r in recs]
+        width = max(len(s) for s in seqs)
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        mask = torch.zeros(len(seqs), width, dtype=torch.long)
+        for j, s in enumerate(seqs):
+            ids[j, : len(s)], mask[j, : len(s)] = s, 1
+        dev = next(model.parameters()).device
+        logits = model(input_ids=ids.to(dev), attention_mask=mask.to(dev)).logits.float().cpu()  # [B, L, V']
+        for j, r in enumerate(recs):
+            q = torch.softmax(logits[j, len(r.prompt_ids) - 1 + r.positions, :vocab], -1)  # [n, V]
+            p = r.dense_probs(vocab)  # [n, V]
+            overlap += float(torch.minimum(p, q).sum())
+            agree += int((q.argmax(-1) == p.argmax(-1)).sum())
+            n += len(r.positions)
+    model.train(was_training)
+    return {"expected_acceptance": overlap / n if n else None, "greedy_agreement": agree / n if n else None, "positions": n}
+
+
+def finite(state: dict[str, torch.Tensor]) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in state.values() if t.is_floating_point())
+
+
+def check(candidate, serving, heldout: list[ReplayRecord], vocab: int, cfg: GuardConfig, candidate_state=None) -> Verdict:
+    """candidate, serving: draft models (the serving one is the guard's private copy of what serves)."""
+    state = candidate_state if candidate_state is not None else candidate.state_dict()
+    if not finite(state):
+        return Verdict(False, "non-finite weights", {}, {})
+    new, cur = evaluate(candidate, heldout, vocab), evaluate(serving, heldout, vocab)
+    if new["expected_acceptance"] is None:
+        return Verdict(False, "no held-out positions", new, cur)
+    if new["expected_acceptance"] != new["expected_acceptance"]:  # NaN logits from finite weights
+        return Verdict(False, "non-finite acceptance", new, cur)
+    if new["expected_acceptance"] < cur["expected_acceptance"] - cfg.tolerance:
+        return Verdict(False, f"alpha-hat {new['expected_acceptance']:.4f} < serving {cur['expected_acceptance']:.4f}", new, cur)
+    return Verdict(True, "ok", new, cur)

@@ -1,0 +1,140 @@
+"""Online distillation beside serving: records -> buffer -> trainer -> guard -> version -> hot swap.
+
+The engine's thread only records (a softmax and a copy per step) and, between steps, applies a
+published swap. Everything else runs in a background thread on the trainer's private copy of the
+draft, so generation never waits for training. The guard compares against its own private copy of
+the serving weights, so it never reads parameters the serving thread may be swapping.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+
+from .guard import GuardConfig, check
+from .recorder import Recorder, RecordConfig
+from .replay import ReplayBuffer
+from .trainer import DistillTrainer
+from .versions import VersionStore
+
+
+@dataclass
+class UpdateResult:
+    expert: str
+    trigger: str
+    published: bool
+    reason: str
+    version: int | None
+    train_records: int
+    heldout_records: int
+    losses: list[float] = field(default_factory=list)
+    candidate: dict = field(default_factory=dict)
+    serving: dict = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+class OnlineDistiller:
+    def __init__(self, engine, trainer: DistillTrainer, buffer: ReplayBuffer, store: VersionStore,
+                 guard: GuardConfig | None = None, record: RecordConfig | None = None, on_trace=None):
+        self.engine, self.trainer, self.buffer, self.store = engine, trainer, buffer, store
+        self.guard = guard or GuardConfig()
+        self.on_trace = on_trace  # called with each finished request's RequestTrace
+        self.vocab = engine.vocab
+        self.serving = copy.deepcopy(engine.draft).eval()  # the guard's copy of what serves now
+        self.updates: list[UpdateResult] = []
+        self.training = threading.Event()  # set while an update runs (for throughput accounting)
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        if store.current is None:  # version 0: the draft we started from, so rollback can reach it
+            store.publish(trainer.serving_state(), {"reason": "initial draft"})
+        engine.draft_version = store.current
+        engine.recorder = Recorder(record, on_finish=self._on_finish)
+
+    # ---- serving thread side ------------------------------------------------------------------------
+    def _on_finish(self, record, trace) -> None:
+        if record is not None:
+            with self._lock:
+                self.buffer.add(record)
+            self._wake.set()
+        if self.on_trace is not None:
+            self.on_trace(trace)
+
+    # ---- one update -----------------------------------------------------------------------------------
+    def due(self) -> dict[str, str]:
+        with self._lock:
+            return self.buffer.due()
+
+    def update(self, expert: str = "default", trigger: str = "manual") -> UpdateResult | None:
+        """Train on the expert's shard, guard, and publish (or refuse). None if too few records."""
+        t0 = time.perf_counter()
+        with self._lock:
+            shard = self.buffer.shard(expert)
+            records = list(shard.records)
+            shard.mark_updated()
+        n_held = max(self.guard.min_heldout, math.ceil(self.guard.heldout_fraction * len(records)))
+        if len(records) < n_held + 1:
+            return None
+        # The newest records are held out: they are what the next requests will look like.
+        train, heldout = records[:-n_held], records[-n_held:]
+        self.training.set()
+        try:
+            losses = self.trainer.train(train)
+            state = self.trainer.serving_state()
+            candidate = self.trainer.student
+            verdict = check(candidate, self.serving, heldout, self.vocab, self.guard, candidate_state=state)
+            version = None
+            if verdict.publish:
+                meta = {"trigger": trigger, "expert": expert, "candidate": verdict.candidate,
+                        "serving": verdict.serving, "loss_last": losses[-1] if losses else None}
+                writer = self.trainer.save_adapter if self.trainer.cfg.mode == "lora" else None
+                version = self.store.publish(state, meta, adapter_writer=writer)
+                self.serving.load_state_dict(state, strict=False)
+                self.trainer.commit()
+                self.engine.swap_draft(state, version)
+            else:
+                self.trainer.revert()
+        finally:
+            self.training.clear()
+        res = UpdateResult(expert, trigger, verdict.publish, verdict.reason, version, len(train), len(heldout), losses,
+                           verdict.candidate, verdict.serving, time.perf_counter() - t0)
+        self.updates.append(res)
+        return res
+
+    def rollback(self, to: int | None = None) -> int:
+        version, state = self.store.rollback(to)
+        self.serving.load_state_dict(state, strict=False)
+        self.trainer.reset_to(state)
+        self.engine.swap_draft(state, version)
+        return version
+
+    # ---- background thread -----------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._loop, name="osd-distill", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._wake.wait(timeout=0.5)  # the timeout lets age triggers fire without traffic
+                self._wake.clear()
+                for expert, why in self.due().items():
+                    self.update(expert, why)
+        except BaseException as e:  # surfaced by stop(); serving goes on with the last good draft
+            self.error = e
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self.error is not None:
+            raise RuntimeError("online distillation thread failed") from self.error

@@ -1,0 +1,107 @@
+"""Turn each verification step into replay records and per-request acceptance traces.
+
+Verification is where the target's distributions come for free: the target has just scored every
+draft position in one forward, so recording costs a softmax and a copy, never an extra forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from .replay import ReplayRecord, make_record
+
+
+@dataclass
+class RecordConfig:
+    keep: str = "mismatch"  # mismatch: only positions the draft got wrong (the paper) | all verified
+    topk: int = 0  # 0 keeps the full distribution; else top-k probs + the remaining mass
+
+    def __post_init__(self) -> None:
+        if self.keep not in ("mismatch", "all"):
+            raise ValueError(f"keep must be 'mismatch' or 'all', got {self.keep!r}")
+        if self.topk < 0:
+            raise ValueError(f"topk must be >= 0, got {self.topk}")
+
+
+@dataclass
+class RequestTrace:
+    """What one request saw of the draft: the per-request numbers of `osd-serve replay`."""
+
+    request_id: str
+    expert: str = "default"
+    tested: int = 0  # draft positions the target checked (accepted ones + the first rejected)
+    accepted: int = 0
+    expected: float = 0.0  # sum over tested positions of sum_x min(p(x), q(x)), raw distributions
+    steps: int = 0
+    emitted: int = 0
+    draft_version: int = 0  # the version that served the request's last step
+    positions: list[int] = field(default_factory=list)  # response indices kept for the record
+    probs: list[torch.Tensor] = field(default_factory=list)  # [V] float32 each, on CPU
+
+    @property
+    def greedy_acceptance(self) -> float | None:
+        return self.accepted / self.tested if self.tested else None
+
+    @property
+    def expected_acceptance(self) -> float | None:
+        return self.expected / self.tested if self.tested else None
+
+    def summary(self) -> dict:
+        return {
+            "request_id": self.request_id, "expert": self.expert, "acceptance": self.greedy_acceptance,
+            "expected_acceptance": self.expected_acceptance, "tokens_per_target_forward":
+            self.emitted / self.steps if self.steps else None, "draft_version": self.draft_version,
+        }
+
+
+class Recorder:
+    """Called by the engine after every step and when a request finishes.
+
+    on_finish(record_or_None, trace) receives each finished request; the record is None when no
+    position was kept (e.g. keep='mismatch' and the draft was right everywhere).
+    """
+
+    def __init__(self, cfg: RecordConfig | None = None, on_finish: Callable | None = None):
+        self.cfg = cfg or RecordConfig()
+        self.on_finish = on_finish
+        self.traces: dict[str, RequestTrace] = {}
+
+    @torch.no_grad()
+    def observe(self, requests, out, n_acc: list[int], k_rows: list[int], before: list[int], version: int) -> None:
+        """requests: the batch's Request objects (row order); before[i]: len(output_ids) before the step."""
+        p = torch.softmax(out.target_logits.float(), -1).cpu()  # [B, k+1, V]
+        k = out.draft_logits.shape[1]
+        overlap = torch.minimum(p[:, :k], torch.softmax(out.draft_logits.float(), -1).cpu()).sum(-1)  # [B, k]
+        for i, (r, a, kr) in enumerate(zip(requests, n_acc, k_rows)):
+            tr = self.traces.setdefault(r.request_id, RequestTrace(r.request_id, getattr(r, "expert", "default")))
+            tested = a + (a < kr)  # the draft positions whose context was on the target's path
+            tr.tested += tested
+            tr.accepted += a
+            tr.expected += float(overlap[i, :tested].sum())
+            tr.steps += 1
+            tr.emitted += a + 1
+            tr.draft_version = version
+            if self.cfg.keep == "all":
+                kept = range(a + 1)
+            else:
+                kept = [a] if a < kr else []  # the position where the target corrected the draft
+            for j in kept:
+                tr.positions.append(before[i] + j)
+                tr.probs.append(p[i, j])
+
+    def finish(self, request) -> tuple[ReplayRecord | None, RequestTrace]:
+        tr = self.traces.pop(request.request_id, None) or RequestTrace(request.request_id)
+        n = len(request.output_ids)  # stop strings and max_tokens may have cut the last step short
+        keep = [j for j, pos in enumerate(tr.positions) if pos < n]
+        rec = None
+        if keep:
+            probs = torch.stack([tr.probs[j] for j in keep])  # [n, V]
+            rec = make_record(request.prompt_ids, request.output_ids, [tr.positions[j] for j in keep], probs,
+                              topk=self.cfg.topk, expert=tr.expert)
+        tr.positions, tr.probs = [], []
+        if self.on_finish is not None:
+            self.on_finish(rec, tr)
+        return rec, tr

@@ -1,0 +1,203 @@
+"""The distillation trainer: updates a private copy of the draft (LoRA via peft, or full fine-tune)
+with AdamW on replay records, so serving never shares parameters with a model being trained.
+
+Training data (GKD's lambda, Agarwal et al. 2023):
+  teacher-sampled  the served responses: the target wrote them, and the records carry its
+                   distributions at the kept positions. Costs no extra target forward.
+  student-sampled  the student continues the record's prompt and the target scores every sampled
+                   position (one target forward per record): on-policy, what the draft will see.
+  mixed            each record is student-sampled with probability ``student_fraction``.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from kernels.fused_kl import chunked_forward_kl
+from .losses import LOSSES
+from .replay import ReplayRecord
+
+_EPS = 1e-12
+
+
+@dataclass
+class TrainConfig:
+    mode: str = "full"  # full | lora
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    steps_per_update: int = 16  # optimizer steps per update, on minibatches drawn from the shard
+    batch_size: int = 8  # records per minibatch
+    loss: str = "forward_kl"  # forward_kl | reverse_kl | jsd | tvd
+    beta: float = 0.5  # for jsd
+    student_fraction: float = 0.0  # 0 teacher-sampled, 1 student-sampled, between: mixed
+    chunk_size: int = 0  # > 0: forward KL through the chunked/fused path, this many positions per chunk
+    max_grad_norm: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("full", "lora"):
+            raise ValueError(f"mode must be 'full' or 'lora', got {self.mode!r}")
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss must be one of {sorted(LOSSES)}, got {self.loss!r}")
+        if not 0.0 <= self.student_fraction <= 1.0:
+            raise ValueError(f"student_fraction must be in [0, 1], got {self.student_fraction}")
+        if self.chunk_size and self.loss != "forward_kl":
+            raise ValueError("chunk_size (the fused path) is implemented for loss='forward_kl' only")
+        for name in ("lr", "steps_per_update", "batch_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+def _student_positions(rec: ReplayRecord) -> torch.Tensor:
+    """Indices into prompt+response whose logits predict the kept response tokens. [n]"""
+    return len(rec.prompt_ids) - 1 + rec.positions
+
+
+class DistillTrainer:
+    def __init__(self, draft, cfg: TrainConfig | None = None, teacher=None, vocab: int | None = None):
+        self.cfg = cfg or TrainConfig()
+        if self.cfg.student_fraction > 0 and teacher is None:
+            raise ValueError("student_fraction > 0 needs the teacher (target) model to score samples")
+        self.teacher = teacher
+        self.vocab = vocab or draft.get_output_embeddings().weight.shape[0]
+        self.base_names = set(draft.state_dict())
+        self._template = draft
+        self.student = self._build_student(None)
+        self.device = next(self.student.parameters()).device
+        self._rng = random.Random(self.cfg.seed)
+        self._published = self._trainable_state()
+        self.optimizer = self._new_optimizer()
+        self.losses: list[float] = []  # every optimizer step's loss: the loss curve
+
+    def _build_student(self, state: dict | None):
+        """A private copy of the draft (with ``state`` loaded), wrapped in a fresh LoRA in lora mode."""
+        student = copy.deepcopy(self._template)
+        if state is not None:
+            student.load_state_dict(state, strict=False)
+        if self.cfg.mode == "lora":
+            from peft import LoraConfig, get_peft_model
+
+            lcfg = LoraConfig(r=self.cfg.lora_r, lora_alpha=self.cfg.lora_alpha, target_modules="all-linear")
+            student = get_peft_model(student, lcfg)
+        return student.train()
+
+    def reset_to(self, state: dict[str, torch.Tensor]) -> None:
+        """Restart from serving weights (a rollback): new student, new optimizer."""
+        self.student = self._build_student(state)
+        self.commit()
+        self.optimizer = self._new_optimizer()
+
+    def _params(self):
+        return [p for p in self.student.parameters() if p.requires_grad]
+
+    def _new_optimizer(self):
+        return torch.optim.AdamW(self._params(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+
+    def _trainable_state(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in self.student.named_parameters() if p.requires_grad}
+
+    # ---- batches ---------------------------------------------------------------------------------
+    def _teacher_batch(self, recs: list[ReplayRecord]):
+        """Sequences [B, L], mask [B, L], and per kept position: (row, index) and teacher probs [N, V]."""
+        seqs = [torch.cat([r.prompt_ids, r.response_ids]).long() for r in recs]
+        rows = torch.cat([torch.full((len(r.positions),), i) for i, r in enumerate(recs)])
+        idx = torch.cat([_student_positions(r) for r in recs])
+        p = torch.cat([r.dense_probs(self.vocab) for r in recs])
+        return seqs, rows, idx, p
+
+    @torch.no_grad()
+    def _student_sampled(self, rec: ReplayRecord):
+        """The student continues the prompt; the target scores every sampled position."""
+        prompt = rec.prompt_ids.long()[None].to(self.device)
+        n = max(len(rec.response_ids), 1)
+        self.student.eval()
+        out = self.student.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, do_sample=True,
+                                    top_k=0, pad_token_id=0)
+        self.student.train()
+        seq = out[0]
+        logits = self.teacher(seq[None].to(next(self.teacher.parameters()).device)).logits[0, :, : self.vocab]
+        idx = torch.arange(len(rec.prompt_ids) - 1, len(seq) - 1)
+        return seq.cpu(), idx, torch.softmax(logits[idx].float(), -1).cpu()
+
+    def batch_loss(self, recs: list[ReplayRecord]) -> torch.Tensor:
+        seqs, rows, idx, p = [], [], [], []
+        for i, rec in enumerate(recs):
+            if self.cfg.student_fraction and self._rng.random() < self.cfg.student_fraction:
+                seq, ix, pr = self._student_sampled(rec)
+            else:
+                seq = torch.cat([rec.prompt_ids, rec.response_ids]).long()
+                ix, pr = _student_positions(rec), rec.dense_probs(self.vocab)
+            seqs.append(seq)
+            rows.append(torch.full((len(ix),), i))
+            idx.append(ix)
+            p.append(pr)
+        width = max(len(s) for s in seqs)
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        mask = torch.zeros(len(seqs), width, dtype=torch.long)
+        for i, s in enumerate(seqs):  # right padding: kept positions never attend to it
+            ids[i, : len(s)], mask[i, : len(s)] = s, 1
+        logits = self.student(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits  # [B, L, V']
+        rows_t, idx_t = torch.cat(rows).to(self.device), torch.cat(idx).to(self.device)
+        student = logits[rows_t, idx_t, : self.vocab]  # [N, V]
+        teacher_p = torch.cat(p).to(self.device)  # [N, V]
+        if self.cfg.chunk_size:
+            return chunked_forward_kl(student, teacher_p, chunk_size=self.cfg.chunk_size)
+        # The losses take teacher logits; log p is one (softmax(log p) = p). Zeros are clamped.
+        teacher_logits = teacher_p.clamp_min(_EPS).log()
+        if self.cfg.loss == "jsd":
+            return LOSSES["jsd"](student, teacher_logits, beta=self.cfg.beta)
+        return LOSSES[self.cfg.loss](student, teacher_logits)
+
+    # ---- updates ---------------------------------------------------------------------------------
+    def train(self, records: list[ReplayRecord], steps: int | None = None, progress: bool = False) -> list[float]:
+        """Run ``steps`` AdamW steps on minibatches sampled from ``records``; returns their losses."""
+        if not records:
+            return []
+        steps = steps or self.cfg.steps_per_update
+        out = []
+        for _ in tqdm(range(steps), desc="distil", unit="step", disable=not progress, leave=False):
+            batch = self._rng.sample(records, min(self.cfg.batch_size, len(records)))
+            loss = self.batch_loss(batch)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self._params(), self.cfg.max_grad_norm)
+            self.optimizer.step()
+            out.append(loss.item())
+        self.losses.extend(out)
+        return out
+
+    def commit(self) -> None:
+        """The guard published this student: it is the new point to revert to."""
+        self._published = self._trainable_state()
+
+    @torch.no_grad()
+    def revert(self) -> None:
+        """The guard refused the update: go back to the published weights and forget the moments."""
+        for n, p in self.student.named_parameters():
+            if n in self._published:
+                p.copy_(self._published[n])
+        self.optimizer = self._new_optimizer()
+
+    @torch.no_grad()
+    def serving_state(self) -> dict[str, torch.Tensor]:
+        """The student as plain draft weights (names of ``draft.state_dict()``): LoRA is merged in,
+        so the serving draft needs no peft and pays no adapter cost per forward."""
+        if self.cfg.mode == "lora":
+            merged = copy.deepcopy(self.student).merge_and_unload()
+            state = merged.state_dict()
+        else:
+            state = self.student.state_dict()
+        return {n: t.detach().clone().contiguous() for n, t in state.items() if n in self.base_names}
+
+    def save_adapter(self, path: str) -> None:
+        """LoRA mode: the adapter in peft's format (adapter_model.safetensors), loadable by
+        loading.attach_adapter and by the Ray Serve LoRA pool."""
+        if self.cfg.mode == "lora":
+            self.student.save_pretrained(path, safe_serialization=True)

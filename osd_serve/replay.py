@@ -1,0 +1,244 @@
+"""`osd-serve replay`: replay a prompt stream through the engine with online distillation on.
+
+The same stream runs three times, greedy, so the three runs must emit identical tokens (speculation
+is lossless whatever the draft) and differ only in acceptance:
+  static   the draft as given, never updated;
+  offline  an upper bound: a copy of the draft distilled beforehand on the whole stream's target
+           outputs (recorded during the static run), then frozen;
+  online   the draft distilled from the traffic as it is served, published through the guard.
+"""
+
+from __future__ import annotations
+
+import copy
+import gzip
+import json
+import math
+import random
+import sys
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .config import EngineConfig, SamplingParams
+from .distill.guard import GuardConfig
+from .distill.online import OnlineDistiller
+from .distill.recorder import RecordConfig, Recorder
+from .distill.replay import BufferConfig, ReplayBuffer
+from .distill.trainer import DistillTrainer, TrainConfig
+from .distill.versions import VersionStore
+from .engine import SpecEngine
+
+
+def _records(path: str) -> list:
+    if path.endswith((".jsonl", ".jsonl.gz")):
+        with (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
+            return [json.loads(line) for line in f if line.strip()]
+    if path.endswith(".json"):
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        return data if isinstance(data, list) else [data]
+    raise ValueError(f"--data {path!r}: want .jsonl, .jsonl.gz or .json")
+
+
+def _prompt(rec, fields: list[str] | None, template: str | None, path: str) -> str | None:
+    if isinstance(rec, str):
+        return rec
+    if not isinstance(rec, dict):
+        return None
+    if template is not None:
+        try:
+            return template.format(**rec)
+        except KeyError as e:
+            raise ValueError(f"--template names field {e} that {path} records lack (fields: {sorted(rec)})") from None
+    for name in fields or [k for k, v in rec.items() if isinstance(v, str)]:
+        if isinstance(rec.get(name), str) and rec[name].strip():
+            return rec[name].rstrip() + "\n"  # the training text put the answer on the next line
+    return None
+
+
+def load_stream(files: list[str], fields: list[str] | None = None, template: str | None = None,
+                order: str = "sequential", seed: int = 0, max_requests: int | None = None) -> list[dict]:
+    """[{"prompt", "source"}] in arrival order. Sequential order with several files is a shift: each
+    file contributes an equal share of max_requests, one after the other."""
+    if order not in ("sequential", "shuffle"):
+        raise ValueError(f"order must be sequential or shuffle, got {order!r}")
+    per_file = []
+    for path in files:
+        items = [{"prompt": p, "source": Path(path).name} for rec in _records(path)
+                 if (p := _prompt(rec, fields, template, path))]
+        if not items:
+            raise ValueError(f"--data {path}: no record has the field(s) {fields}")
+        random.Random(seed).shuffle(items)  # a random sample of each file, not its first rows
+        per_file.append(items)
+    if order == "shuffle":
+        stream = [x for items in per_file for x in items]
+        random.Random(seed + 1).shuffle(stream)
+        return stream[:max_requests] if max_requests else stream
+    share = math.ceil(max_requests / len(files)) if max_requests else None
+    stream = [x for items in per_file for x in items[:share]]
+    return stream[:max_requests] if max_requests else stream
+
+
+def run_stream(engine: SpecEngine, prompts: list[str], params: SamplingParams, desc: str) -> tuple[list, list, float]:
+    """Serve ``prompts`` in order; returns (per-request trace summaries, token ids, wall seconds)."""
+    traces: dict[str, dict] = {}
+    rec = engine.recorder
+    prev = rec.on_finish if rec is not None else None
+
+    def on_finish(record, trace):
+        traces[trace.request_id] = trace.summary()
+        if prev is not None:
+            prev(record, trace)
+
+    if rec is None:
+        engine.recorder = rec = Recorder(RecordConfig(keep="all"))
+    rec.on_finish = on_finish
+    ids = [engine.add_request(p, params, request_id=f"r{i}") for i, p in enumerate(prompts)]
+    reqs = {r.request_id: r for r in engine.waiting}
+    outs: dict[str, list[int]] = {}
+    t0 = time.perf_counter()
+    with tqdm(total=len(ids), desc=desc, unit="req", file=sys.stderr) as bar:
+        while engine.has_unfinished():
+            engine.step()
+            done = [i for i in ids if i not in outs and reqs[i].finished]
+            for i in done:
+                outs[i] = list(reqs[i].output_ids)
+            bar.update(len(done))
+    return [traces[i] for i in ids], [outs[i] for i in ids], time.perf_counter() - t0
+
+
+def running_mean(xs: list[float | None]) -> list[float]:
+    out, s, n = [], 0.0, 0
+    for x in xs:
+        if x is not None:
+            s, n = s + x, n + 1
+        out.append(s / n if n else 0.0)
+    return out
+
+
+def _tail_mean(xs: list, frac: float = 0.2) -> float | None:
+    vals = [x for x in xs[-max(1, int(len(xs) * frac)) :] if x is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+def throughput_ratio(engine: SpecEngine, trainer: DistillTrainer, records: list, prompts: list[str],
+                     params: SamplingParams) -> dict:
+    """tokens/s while a trainer runs beside generation over tokens/s without, on one engine and draft."""
+    def tok_s():
+        t0 = time.perf_counter()
+        outs = engine.generate(prompts, params)
+        return sum(len(c.token_ids) for c in outs) / (time.perf_counter() - t0)
+
+    idle = tok_s()
+    stop = threading.Event()
+    steps = [0]
+
+    def train():
+        while not stop.is_set():
+            trainer.train(records, steps=1)
+            steps[0] += 1
+
+    th = threading.Thread(target=train, daemon=True)
+    th.start()
+    busy = tok_s()
+    stop.set()
+    th.join()
+    trainer.revert()  # measurement only: these steps are never published
+    return {"tokens_per_s_idle": idle, "tokens_per_s_training": busy, "ratio": busy / idle, "train_steps_during": steps[0]}
+
+
+def replay(target, draft, tokenizer, stream: list[dict], out_dir: str, params: SamplingParams,
+           train_cfg: TrainConfig, buffer_cfg: BufferConfig, record_cfg: RecordConfig, guard_cfg: GuardConfig,
+           engine_cfg: EngineConfig | None = None, offline_epochs: int = 4, skip_baselines: bool = False) -> dict:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    prompts = [s["prompt"] for s in stream]
+    result: dict = {"requests": len(prompts), "params": asdict(params), "train": asdict(train_cfg),
+                    "buffer": asdict(buffer_cfg), "record": asdict(record_cfg), "guard": asdict(guard_cfg),
+                    "sources": [s["source"] for s in stream], "runs": {}}
+    base_state = {n: t.clone() for n, t in draft.state_dict().items()}
+    outputs = {}
+
+    def finish_run(name, traces, toks, wall, extra=None):
+        alpha = [t["acceptance"] for t in traces]
+        outputs[name] = toks
+        result["runs"][name] = {
+            "per_request": traces, "running_mean_alpha": running_mean(alpha), "final_alpha": _tail_mean(alpha),
+            "final_expected_alpha": _tail_mean([t["expected_acceptance"] for t in traces]),
+            "tokens": sum(len(t) for t in toks), "wall_s": wall, **(extra or {}),
+        }
+
+    if not skip_baselines:
+        # static: also records every verified position: the offline bound's training data
+        static_records = []
+        eng = SpecEngine(target, draft, tokenizer, engine_cfg, Recorder(RecordConfig("all", record_cfg.topk),
+                         on_finish=lambda r, t: r is not None and static_records.append(r)))
+        finish_run("static", *run_stream(eng, prompts, params, "static"))
+
+        offline = DistillTrainer(draft, train_cfg, vocab=eng.vocab)
+        steps = offline_epochs * math.ceil(len(static_records) / train_cfg.batch_size)
+        t0 = time.perf_counter()
+        losses = offline.train(static_records, steps=steps, progress=True)
+        off_draft = copy.deepcopy(draft)
+        off_draft.load_state_dict(offline.serving_state(), strict=False)
+        eng = SpecEngine(target, off_draft, tokenizer, engine_cfg)
+        finish_run("offline", *run_stream(eng, prompts, params, "offline"),
+                   {"train_steps": steps, "train_s": time.perf_counter() - t0, "loss_first": losses[0], "loss_last": losses[-1]})
+        del offline, off_draft
+
+    online_draft = copy.deepcopy(draft)
+    eng = SpecEngine(target, online_draft, tokenizer, engine_cfg)
+    trainer = DistillTrainer(online_draft, train_cfg, vocab=eng.vocab)
+    store = VersionStore(out / "versions", keep_last=5)
+    dist = OnlineDistiller(eng, trainer, ReplayBuffer(buffer_cfg), store, guard_cfg, record_cfg)
+    dist.start()
+    try:
+        traces, toks, wall = run_stream(eng, prompts, params, "online")
+    finally:
+        dist.stop()
+    ups = dist.updates
+    finish_run("online", traces, toks, wall, {
+        "updates": len(ups), "published": sum(u.published for u in ups), "refused": [u.reason for u in ups if not u.published],
+        "update_log": [{k: v for k, v in asdict(u).items() if k != "losses"} | {"loss_first": u.losses[0] if u.losses else None,
+                        "loss_last": u.losses[-1] if u.losses else None} for u in ups],
+        "loss_curve": trainer.losses, "versions_kept": store.versions,
+    })
+    records = list(dist.buffer.shard("default").records)
+    if records:
+        result["throughput_while_training"] = throughput_ratio(eng, trainer, records, prompts[:16], params)
+    result["outputs_identical"] = all(o == outputs["online"] for o in outputs.values())
+    result["draft_unchanged"] = all(torch.equal(t, draft.state_dict()[n]) for n, t in base_state.items())
+    (out / "result.json").write_text(json.dumps(result, indent=1))
+    plot_alpha(result, out / "alpha.png")
+    return result
+
+
+def plot_alpha(result: dict, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name, run in result["runs"].items():
+        xs = [t["acceptance"] for t in run["per_request"]]
+        w = 20  # a trailing window shows adaptation; the running mean alone hides it
+        roll = [sum(v for v in xs[max(0, i - w + 1) : i + 1] if v is not None) / max(1, sum(v is not None for v in xs[max(0, i - w + 1) : i + 1])) for i in range(len(xs))]
+        ax.plot(roll, label=f"{name} (window {w})")
+    srcs = result["sources"]
+    for i in range(1, len(srcs)):
+        if srcs[i] != srcs[i - 1]:
+            ax.axvline(i, color="grey", ls=":", lw=1)
+            ax.text(i, 0.02, srcs[i], rotation=90, fontsize=7, color="grey")
+    ax.set_xlabel("request")
+    ax.set_ylabel("greedy acceptance α")
+    ax.set_ylim(0, 1)
+    ax.legend(loc="lower right")
+    ax.set_title("acceptance over the stream: static vs offline-distilled vs online")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,224 @@
+"""Online distillation: records at verification, the trainer moves the draft, the guard refuses
+corrupted updates, versions are atomic, and swaps keep the output lossless under concurrency."""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import threading
+
+import pytest
+import torch
+from tests.conftest import llama, perturbed
+
+from osd_serve.config import EngineConfig, SamplingParams
+from osd_serve.distill.guard import GuardConfig, evaluate
+from osd_serve.distill.online import OnlineDistiller
+from osd_serve.distill.recorder import RecordConfig, Recorder
+from osd_serve.distill.replay import BufferConfig, ReplayBuffer
+from osd_serve.distill.trainer import DistillTrainer, TrainConfig
+from osd_serve.distill.versions import VersionStore
+from osd_serve.engine import SpecEngine
+
+N_TOK = 12
+
+
+def _prompts(vocab, n, seed):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(2, 10))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def models(tok):
+    target = llama(len(tok), seed=0)
+    weak = perturbed(target, 0.2)  # a poor draft (alpha-hat ~0.1 on held-out): room to learn
+    return target, weak
+
+
+def _records(target, draft, tok, prompts, keep="all", topk=0, k=4):
+    recs = []
+    eng = SpecEngine(target, draft, tok, EngineConfig(max_batch_size=8),
+                     Recorder(RecordConfig(keep, topk), on_finish=lambda r, t: r is not None and recs.append(r)))
+    outs = eng.generate(prompts, SamplingParams(max_tokens=N_TOK, num_speculative_tokens=k))
+    return recs, outs
+
+
+@torch.inference_mode()
+def test_records_hold_the_targets_distribution_at_verified_positions(models, tok):
+    target, weak = models
+    prompts = _prompts(len(tok), 6, 0)
+    recs, outs = _records(target, weak, tok, prompts, keep="all")
+    by_prompt = {tuple(r.prompt_ids.tolist()): r for r in recs}
+    for p, c in zip(prompts, outs):
+        r = by_prompt[tuple(p)]
+        assert r.response_ids.tolist() == c.token_ids
+        assert r.positions.tolist() == list(range(len(c.token_ids)))  # every emitted token was verified
+        logits = target(torch.tensor([p + c.token_ids])).logits[0]
+        want = torch.softmax(logits[len(p) - 1 + r.positions], -1)  # raw, not the one-hot greedy verifies with
+        assert torch.allclose(r.dense_probs(len(tok)), want, atol=2e-3)
+    mism, outs = _records(target, weak, tok, prompts, keep="mismatch")
+    # mismatch keeps exactly the corrected positions: one per step that rejected a draft token
+    n_rejections = sum(min(1, c.proposed - c.accepted) for c in outs)  # at least one reject when any
+    assert 0 < sum(len(r.positions) for r in mism) <= sum(len(c.token_ids) for c in outs)
+    assert n_rejections > 0
+    topk, _ = _records(target, weak, tok, prompts, keep="all", topk=4)
+    assert sum(r.nbytes for r in topk) < sum(r.nbytes for r in recs) / 3
+
+
+def test_distillation_raises_heldout_expected_acceptance(models, tok):
+    target, weak = models
+    train, _ = _records(target, weak, tok, _prompts(len(tok), 32, 1))
+    held, _ = _records(target, weak, tok, _prompts(len(tok), 12, 2))
+    vocab = len(tok)
+    before = evaluate(weak, held, vocab)
+    tr = DistillTrainer(weak, TrainConfig(mode="full", lr=3e-3, batch_size=8))
+    losses = tr.train(train, steps=60)
+    after = evaluate(tr.student, held, vocab)
+    assert losses[-1] < losses[0]
+    assert after["expected_acceptance"] > before["expected_acceptance"] + 0.04, (before, after)
+    assert torch.equal(next(weak.parameters()), next(weak.parameters()))  # serving copy untouched
+    lora = DistillTrainer(weak, TrainConfig(mode="lora", lr=1e-2, batch_size=8))
+    lora.train(train, steps=60)
+    merged = copy.deepcopy(weak)
+    merged.load_state_dict(lora.serving_state(), strict=False)
+    assert evaluate(merged, held, vocab)["expected_acceptance"] > before["expected_acceptance"] + 0.03
+    assert evaluate(merged, held, vocab)["expected_acceptance"] == pytest.approx(evaluate(lora.student, held, vocab)["expected_acceptance"], abs=1e-4)
+
+
+def test_chunked_loss_path_trains_like_the_plain_one(models, tok):
+    target, weak = models
+    train, _ = _records(target, weak, tok, _prompts(len(tok), 8, 3))
+    a = DistillTrainer(weak, TrainConfig(lr=1e-3, seed=1))
+    b = DistillTrainer(weak, TrainConfig(lr=1e-3, seed=1, chunk_size=7))
+    la, lb = a.train(train, steps=3), b.train(train, steps=3)
+    assert la == pytest.approx(lb, rel=1e-4)
+
+
+class _ShuffledTeacher(DistillTrainer):
+    """A corrupted update: trained on the records with each teacher distribution permuted."""
+
+    def train(self, records, steps=None, progress=False):
+        g = torch.Generator().manual_seed(0)
+        bad = []
+        for r in records:
+            perm = torch.randperm(r.probs.shape[-1], generator=g)
+            bad.append(type(r)(r.prompt_ids, r.response_ids, r.positions, r.probs[:, perm]))
+        return super().train(bad, steps=80)
+
+
+class _NaNUpdate(DistillTrainer):
+    def train(self, records, steps=None, progress=False):
+        out = super().train(records, steps=1)
+        with torch.no_grad():
+            next(self.student.parameters()).view(-1)[0] = float("nan")
+        return out
+
+
+@pytest.mark.parametrize("bad", [_ShuffledTeacher, _NaNUpdate], ids=["shuffled-teacher", "nan-weights"])
+def test_guard_refuses_a_corrupted_update(models, tok, tmp_path, bad):
+    target, weak = models
+    draft = perturbed(target, 0.02)  # a good draft: a corrupted update can only make it worse
+    eng = SpecEngine(target, draft, tok)
+    store = VersionStore(tmp_path / "v")
+    dist = OnlineDistiller(eng, bad(draft, TrainConfig(lr=3e-3)), ReplayBuffer(), store, GuardConfig())
+    eng.generate(_prompts(len(tok), 12, 4), SamplingParams(max_tokens=N_TOK, num_speculative_tokens=3))
+    before = {n: t.clone() for n, t in draft.state_dict().items()}
+    res = dist.update()
+    assert res is not None and not res.published
+    assert store.current == 0 and store.versions == [0] and eng.draft_version == 0
+    eng.generate(_prompts(len(tok), 1, 5), SamplingParams(max_tokens=2))  # a step applies any pending swap
+    assert all(torch.equal(before[n], t) for n, t in draft.state_dict().items())
+
+
+def test_versions_are_atomic_pruned_and_roll_back(tmp_path, models):
+    _, weak = models
+    store = VersionStore(tmp_path, keep_last=2)
+    states = [{n: t + i for n, t in weak.state_dict().items()} for i in range(3)]
+    for i, s in enumerate(states):
+        assert store.publish(s, {"i": i}) == i
+    assert store.versions == [1, 2] and store.current == 2
+    assert not (tmp_path / "v000000").exists() and not list(tmp_path.glob(".tmp-*"))
+    assert json.loads((tmp_path / "manifest.json").read_text())["current"] == 2
+    v, st = store.rollback()
+    assert v == 1 and VersionStore(tmp_path).current == 1  # the manifest on disk says so too
+    assert all(torch.equal(st[n], states[1][n]) for n in st)
+    with pytest.raises(KeyError):
+        store.load(0)
+    assert [p.suffix for p in (tmp_path / "v000001").iterdir() if p.is_file()] .count(".bin") == 0
+
+
+@pytest.fixture(scope="module")
+def reference(models, tok):
+    target, _ = models
+    prompts = _prompts(len(tok), 24, 9)
+    refs = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p])
+            out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, min_new_tokens=20, do_sample=False)
+            refs.append(out[0, len(p):].tolist())
+    return prompts, refs
+
+
+def test_swaps_under_concurrent_generation_stay_lossless(models, tok, reference):
+    target, _ = models
+    prompts, refs = reference
+    draft = perturbed(target, 0.05)
+    eng = SpecEngine(target, draft, tok, EngineConfig(max_batch_size=5))
+    candidates = [{n: t.clone() for n, t in perturbed(target, s, seed=i).state_dict().items()} for i, s in enumerate([0.01, 0.2, 0.0, 0.5])]
+    stop, swaps = threading.Event(), [0]
+
+    def swapper():  # publishes from another thread as fast as it can, like the trainer would
+        while not stop.is_set():
+            eng.swap_draft(candidates[swaps[0] % len(candidates)], swaps[0] + 1)
+            swaps[0] += 1
+            stop.wait(0.002)
+
+    th = threading.Thread(target=swapper)
+    th.start()
+    try:
+        outs = eng.generate(prompts, SamplingParams(max_tokens=20, num_speculative_tokens=4, ignore_eos=True))
+    finally:
+        stop.set()
+        th.join()
+    assert swaps[0] > 5 and eng.draft_version > 0
+    assert [c.token_ids for c in outs] == refs
+
+
+def test_swap_recomputes_the_draft_cache(models, tok, reference):
+    """Swap a bad draft for the target's own weights mid-generation: every later step must accept
+    all k (a draft cache left from the old weights would make it reject)."""
+    target, _ = models
+    prompts, refs = reference
+    eng = SpecEngine(target, perturbed(target, 0.5), tok, EngineConfig(max_batch_size=8))
+    params = SamplingParams(max_tokens=20, num_speculative_tokens=3, ignore_eos=True)
+    reqs = eng.submit(prompts[:8], params)
+    stats = []
+    for _ in range(2):
+        stats.append(eng.step()[1])
+    eng.swap_draft({n: t.clone() for n, t in target.state_dict().items()}, 1)
+    while eng.has_unfinished():
+        _, st = eng.step()
+        if st is not None:
+            stats.append(st)
+    assert sum(s.accepted for s in stats[:2]) < sum(s.proposed for s in stats[:2])
+    assert all(s.accepted == s.proposed for s in stats[2:])
+    assert [r.output_ids for r in reqs] == refs[:8]
+
+
+def test_online_distiller_in_background_publishes_and_stays_lossless(models, tok, reference, tmp_path):
+    target, weak = models
+    prompts, refs = reference
+    eng = SpecEngine(target, perturbed(target, 0.08), tok, EngineConfig(max_batch_size=4))
+    trainer = DistillTrainer(eng.draft, TrainConfig(lr=2e-3, steps_per_update=4))
+    dist = OnlineDistiller(eng, trainer, ReplayBuffer(BufferConfig(trigger_records=4)), VersionStore(tmp_path),
+                           GuardConfig(tolerance=0.05))
+    dist.start()
+    try:
+        outs = eng.generate(prompts + prompts, SamplingParams(max_tokens=20, num_speculative_tokens=4, ignore_eos=True))
+    finally:
+        dist.stop()
+    assert [c.token_ids for c in outs] == refs + refs
+    assert dist.updates, "no update ran"
+    assert eng.draft_version == dist.store.current
