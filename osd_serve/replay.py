@@ -209,19 +209,42 @@ def replay(target, draft, tokenizer, stream: list[dict], out_dir: str, params: S
     })
     records = list(dist.buffer.shard("default").records)
     if records:
+        result["record_bytes"] = {"mean": sum(r.nbytes for r in records) / len(records),
+                                  "positions_mean": sum(len(r.positions) for r in records) / len(records),
+                                  "keep": record_cfg.keep, "topk": record_cfg.topk}
         result["throughput_while_training"] = throughput_ratio(eng, trainer, records, prompts[:16], params)
     result["outputs_identical"] = all(o == outputs["online"] for o in outputs.values())
     result["draft_unchanged"] = all(torch.equal(t, draft.state_dict()[n]) for n, t in base_state.items())
     (out / "result.json").write_text(json.dumps(result, indent=1))
     plot_alpha(result, out / "alpha.png")
+    plot_loss(result["runs"]["online"]["loss_curve"], out / "loss.png")
     return result
 
 
-def plot_alpha(result: dict, path) -> None:
+def _plt():
     import matplotlib
 
-    matplotlib.use("Agg")
+    matplotlib.use("Agg")  # files only: no display on servers
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_loss(losses: list[float], path) -> None:
+    """The online trainer's loss at every optimizer step."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.plot(losses, lw=0.8)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("distillation loss")
+    ax.set_title("online distillation loss")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_alpha(result: dict, path) -> None:
+    plt = _plt()
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for name, run in result["runs"].items():

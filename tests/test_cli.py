@@ -72,3 +72,30 @@ def test_bench_report_is_complete_and_lossless(tiny_pair, tmp_path):
             r = s["per_k"][k]
             assert 0 <= r["outputs_match_target"] <= 3 and 0 <= r["alpha"] <= 1
             assert 1.0 <= r["tokens_per_target_forward"] <= int(k) + 1 and r["analytic_speedup"] > 0
+
+
+def test_replay_writes_result_and_figure(tiny_pair, tmp_path):
+    """Structure of `osd-serve replay` (the distillation itself is tested in test_distill.py)."""
+    _, pair = tiny_pair
+    data = tmp_path / "q.jsonl"
+    data.write_text("".join(json.dumps({"id": i, "question": f"def f{i}(x):"}) + "\n" for i in range(6)))
+    other = tmp_path / "a.json"
+    other.write_text(json.dumps([{"instruction": f"import m{i}"} for i in range(6)]))
+    out = tmp_path / "run"
+    r = _cli("replay", "--target", pair["target"], "--draft", pair["draft"], "--data", str(data), str(other),
+             "--field", "question,instruction", "--max-requests", "8", "--max-tokens", "6", "--trigger-records", "2",
+             "--steps-per-update", "2", "--offline-epochs", "1", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    res = json.loads((out / "result.json").read_text())
+    assert (out / "alpha.png").stat().st_size > 0
+    assert res["sources"] == ["q.jsonl"] * 4 + ["a.json"] * 4  # sequential order: a shift
+    for name in ("static", "offline", "online"):
+        run = res["runs"][name]
+        assert len(run["per_request"]) == 8 and len(run["running_mean_alpha"]) == 8 and run["wall_s"] > 0
+        assert set(run["per_request"][0]) >= {"acceptance", "expected_acceptance", "tokens_per_target_forward", "draft_version"}
+    assert res["runs"]["online"]["updates"] >= 1
+    assert 0 < res["throughput_while_training"]["ratio"]
+    assert res["draft_unchanged"]
+    bad = _cli("replay", "--target", pair["target"], "--draft", pair["draft"], "--data", str(data), "--field", "nope",
+               "--out", str(tmp_path / "bad"))
+    assert bad.returncode != 0 and "nope" in bad.stderr

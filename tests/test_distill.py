@@ -86,6 +86,18 @@ def test_distillation_raises_heldout_expected_acceptance(models, tok):
     assert evaluate(merged, held, vocab)["expected_acceptance"] == pytest.approx(evaluate(lora.student, held, vocab)["expected_acceptance"], abs=1e-4)
 
 
+def test_student_sampled_training_uses_the_target_and_moves_the_draft(models, tok):
+    target, weak = models
+    train, _ = _records(target, weak, tok, _prompts(len(tok), 16, 6))
+    held, _ = _records(target, weak, tok, _prompts(len(tok), 12, 2))
+    with pytest.raises(ValueError, match="teacher"):
+        DistillTrainer(weak, TrainConfig(student_fraction=1.0))
+    tr = DistillTrainer(weak, TrainConfig(lr=3e-3, student_fraction=1.0), teacher=target)
+    tr.train(train, steps=40)
+    before, after = evaluate(weak, held, len(tok)), evaluate(tr.student, held, len(tok))
+    assert after["expected_acceptance"] > before["expected_acceptance"] + 0.03, (before, after)
+
+
 def test_chunked_loss_path_trains_like_the_plain_one(models, tok):
     target, weak = models
     train, _ = _records(target, weak, tok, _prompts(len(tok), 8, 3))

@@ -42,11 +42,13 @@ class OnlineDistiller:
         self.engine, self.trainer, self.buffer, self.store = engine, trainer, buffer, store
         self.guard = guard or GuardConfig()
         self.on_trace = on_trace  # called with each finished request's RequestTrace
+        self.on_update = None  # called with each UpdateResult (telemetry)
         self.vocab = engine.vocab
         self.serving = copy.deepcopy(engine.draft).eval()  # the guard's copy of what serves now
         self.updates: list[UpdateResult] = []
         self.training = threading.Event()  # set while an update runs (for throughput accounting)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards the buffer (the serving thread adds to it)
+        self._update_lock = threading.Lock()  # one update (or rollback) at a time: they share the trainer
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -72,6 +74,10 @@ class OnlineDistiller:
 
     def update(self, expert: str = "default", trigger: str = "manual") -> UpdateResult | None:
         """Train on the expert's shard, guard, and publish (or refuse). None if too few records."""
+        with self._update_lock:
+            return self._update(expert, trigger)
+
+    def _update(self, expert: str, trigger: str) -> UpdateResult | None:
         t0 = time.perf_counter()
         with self._lock:
             shard = self.buffer.shard(expert)
@@ -104,9 +110,15 @@ class OnlineDistiller:
         res = UpdateResult(expert, trigger, verdict.publish, verdict.reason, version, len(train), len(heldout), losses,
                            verdict.candidate, verdict.serving, time.perf_counter() - t0)
         self.updates.append(res)
+        if self.on_update is not None:
+            self.on_update(res)
         return res
 
     def rollback(self, to: int | None = None) -> int:
+        with self._update_lock:
+            return self._rollback(to)
+
+    def _rollback(self, to: int | None) -> int:
         version, state = self.store.rollback(to)
         self.serving.load_state_dict(state, strict=False)
         self.trainer.reset_to(state)

@@ -90,7 +90,7 @@ class Recorder:
                 kept = [a] if a < kr else []  # the position where the target corrected the draft
             for j in kept:
                 tr.positions.append(before[i] + j)
-                tr.probs.append(p[i, j])
+                tr.probs.append(p[i, j].clone())  # not a view: it would pin the whole step's [B, k+1, V]
 
     def finish(self, request) -> tuple[ReplayRecord | None, RequestTrace]:
         tr = self.traces.pop(request.request_id, None) or RequestTrace(request.request_id)

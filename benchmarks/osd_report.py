@@ -1,0 +1,105 @@
+"""Markdown report of the online-distillation experiments (issue 3) from their result.json files.
+
+    python benchmarks/osd_report.py benchmarks/results/osd > benchmarks/OSD.md
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+STREAMS = ["gsm8k", "spider", "mbpp", "alpaca", "shift"]
+
+
+def _f(x, nd=3):
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def rolling(xs, w):
+    out = []
+    for i in range(len(xs)):
+        win = [v for v in xs[max(0, i - w + 1) : i + 1] if v is not None]
+        out.append(sum(win) / len(win) if win else 0.0)
+    return out
+
+
+def segments(sources):
+    """[(source, start, end)] runs of equal source, in order."""
+    segs, start = [], 0
+    for i in range(1, len(sources) + 1):
+        if i == len(sources) or sources[i] != sources[start]:
+            segs.append((sources[start], start, i))
+            start = i
+    return segs
+
+
+def adaptation(result, run="online", window=10, frac=0.9):
+    """Per segment: plateau (mean α over its last quarter) and the requests after the shift until
+    the trailing-window mean first reaches frac x plateau."""
+    alpha = [t["acceptance"] for t in result["runs"][run]["per_request"]]
+    rows = []
+    for src, a, b in segments(result["sources"]):
+        seg = alpha[a:b]
+        tail = [v for v in seg[-max(1, len(seg) // 4) :] if v is not None]
+        plateau = sum(tail) / len(tail) if tail else None
+        roll = rolling(seg, window)
+        need = next((i + 1 for i, v in enumerate(roll) if i >= window - 1 and plateau and v >= frac * plateau), None)
+        first = [v for v in seg[:window] if v is not None]
+        rows.append({"source": src, "start": a, "requests": b - a, "plateau": plateau,
+                     "first_window": sum(first) / len(first) if first else None, "requests_to_90pct": need})
+    return rows
+
+
+def main(root: str) -> None:
+    root = Path(root)
+    res = {p.parent.name: json.loads(p.read_text()) for p in sorted(root.glob("*/result.json"))}
+    print("# Online distillation experiments (issue 3)\n")
+    print("Regenerate: `bash benchmarks/run_osd_experiments.sh` (runs every stream, then this report).")
+    print("Pair: `osd-serve bootstrap --preset osd --data gsm8k/train spider/train mbpp alpaca` (target 29.9M,")
+    print("draft 1.2M briefly pre-trained, never distilled). Greedy, k=4, 64 new tokens, batch 8, 2 CPU threads.")
+    print("α is greedy acceptance per tested draft position; *final* is the mean over the last 20% of requests.")
+    print("*offline* is a copy of the draft distilled beforehand on the whole stream's target outputs, then frozen.\n")
+    print("| stream | requests | static α | offline α | online α | online − static | online / offline | "
+          "online α̂ | updates (published) | tok/s training ÷ idle | outputs identical |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for name in STREAMS + sorted(set(res) - set(STREAMS)):
+        if name not in res:
+            continue
+        r = res[name]
+        runs = r["runs"]
+        st, off, on = (runs.get(k, {}).get("final_alpha") for k in ("static", "offline", "online"))
+        tp = r.get("throughput_while_training") or {}
+        print(f"| {name} | {r['requests']} | {_f(st)} | {_f(off)} | {_f(on)} | "
+              f"{_f(on - st if on is not None and st is not None else None, 3)} | "
+              f"{_f(on / off if on and off else None, 2)} | {_f(runs['online'].get('final_expected_alpha'))} | "
+              f"{runs['online']['updates']} ({runs['online']['published']}) | {_f(tp.get('ratio'), 2)} | "
+              f"{r['outputs_identical']} |")
+    print()
+    if "shift" in res:
+        print("## Adaptation after each shift (online run)\n")
+        print("Requests after the shift until the trailing 10-request mean α first reaches 90% of the segment's")
+        print("plateau (mean over its last quarter); the static draft's plateau for comparison.\n")
+        print("| segment | starts at | requests | static plateau | online first 10 | online plateau | requests to 90% |")
+        print("|---|---|---|---|---|---|---|")
+        static = {s["source"]: s for s in adaptation(res["shift"], "static")} if "static" in res["shift"]["runs"] else {}
+        for s in adaptation(res["shift"]):
+            print(f"| {s['source']} | {s['start']} | {s['requests']} | {_f(static.get(s['source'], {}).get('plateau'))} | "
+                  f"{_f(s['first_window'])} | {_f(s['plateau'])} | {s['requests_to_90pct']} |")
+        print()
+    keep = {n: r for n, r in res.items() if r.get("record_bytes")}
+    if keep:
+        print("## Which positions to record\n")
+        print("| run | keep | bytes per record | kept positions per record | online α (final) |")
+        print("|---|---|---|---|---|")
+        for n, r in sorted(keep.items()):
+            b = r["record_bytes"]
+            print(f"| {n} | {b['keep']} | {b['mean']:.0f} | {b['positions_mean']:.1f} | {_f(r['runs']['online']['final_alpha'])} |")
+        print()
+    print("## Figures\n")
+    for name in res:
+        print(f"- {name}: `results/osd/{name}/alpha.png`")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results/osd")

@@ -1,0 +1,144 @@
+"""The HTTP surface (FastAPI), over any backend with the small interface below, so the same routes
+run behind Ray Serve (deployments/router.py) and in-process in tests.
+
+Backend:
+    async stream(expert, prompt, params) -> async iterator of dicts
+        {"text", "token_ids", "finished", "finish_reason", "prompt_tokens"}; raises ValueError on bad input
+    experts() -> list[str]
+    async admin_experts() -> dict;  async admin_rollback(expert, to) -> dict;  async admin_update(expert) -> dict
+"""
+
+from __future__ import annotations
+
+import secrets
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from osd_serve.protocol import (ChatRequest, CompletionRequest, RequestError, chunk_body, completion_body,
+                                engine_error, parse_request, sse)
+
+from .config import AppConfig
+
+
+def classify(prompt: str, cfg: AppConfig) -> str:
+    """The configured keyword classifier: the first expert with a keyword in the prompt."""
+    low = prompt.lower() if isinstance(prompt, str) else ""
+    for e in cfg.experts:
+        if any(k.lower() in low for k in e.keywords):
+            return e.name
+    return cfg.default_expert
+
+
+def _authorized(request: Request, key: str | None) -> bool:
+    if key is None:
+        return True
+    got = request.headers.get("authorization", "")
+    return got.startswith("Bearer ") and secrets.compare_digest(got[7:].encode(), key.encode())
+
+
+def make_app(backend, cfg: AppConfig) -> FastAPI:
+    app = FastAPI(title="osd-serve", version="0.1.0")
+
+    @app.exception_handler(RequestError)
+    async def _bad_request(_, e: RequestError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        path = request.url.path
+        if path.startswith("/v1") and not _authorized(request, cfg.api_key):
+            return JSONResponse(RequestError("missing or wrong API key (Authorization: Bearer ...)", None, 401).body(), 401)
+        if path.startswith("/admin"):
+            if cfg.admin_key is None:  # admin routes exist only when an admin key is configured
+                return JSONResponse({"error": {"message": "admin routes are disabled", "type": "not_found"}}, 404)
+            if not _authorized(request, cfg.admin_key):
+                return JSONResponse(RequestError("missing or wrong admin key", None, 401).body(), 401)
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": cfg.served_model_name, "object": "model", "owned_by": "osd-serve",
+                                            "experts": backend.experts()}]}
+
+    async def _serve(request: Request, chat: bool):
+        req = parse_request(await request.body(), ChatRequest if chat else CompletionRequest)
+        if req.model not in (None, cfg.served_model_name):
+            raise RequestError(f"model: unknown model {req.model!r}; this server serves {cfg.served_model_name!r}", "model", 404)
+        # Chat is rendered where the tokenizer lives (the engine replica); the router classifies text.
+        prompt = req.message_dicts() if chat else req.prompt
+        text = "\n".join(m["content"] for m in prompt) if chat else prompt
+        expert = req.expert or classify(text, cfg)
+        if expert not in backend.experts():
+            raise RequestError(f"expert: unknown expert {expert!r}; known: {backend.experts()}", "expert")
+        try:
+            params = req.sampling_params(cfg.num_speculative_tokens,
+                                         getattr(req, "max_completion_tokens", None) or 16)
+            params.validate()
+            it = backend.stream(expert, prompt, params).__aiter__()
+            first = await it.__anext__()  # bad input (too long a prompt...) raises here, before any 200
+        except ValueError as e:
+            raise engine_error(e) from None
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        model = cfg.served_model_name
+
+        if req.stream:
+            async def events():
+                n = 0
+                async for d in _chain(first, it):
+                    if d["text"] or d["finished"] or n == 0:
+                        yield sse(chunk_body(rid, model, d["text"], d["finish_reason"] if d["finished"] else None, chat, n == 0))
+                        n += 1
+                yield sse("[DONE]")
+
+            return StreamingResponse(events(), media_type="text/event-stream", headers={"x-osd-expert": expert})
+
+        text, n_tok, finish, n_prompt = "", 0, None, first.get("prompt_tokens", 0)
+        async for d in _chain(first, it):
+            text += d["text"]
+            n_tok += len(d["token_ids"])
+            finish = d["finish_reason"]
+        usage = {"prompt_tokens": n_prompt, "completion_tokens": n_tok, "total_tokens": n_prompt + n_tok}
+        return JSONResponse(completion_body(rid, model, text, finish, usage, chat), headers={"x-osd-expert": expert})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _serve(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _serve(request, chat=True)
+
+    @app.get("/admin/experts")
+    async def admin_experts():
+        return await backend.admin_experts()
+
+    @app.post("/admin/experts/{expert}/rollback")
+    async def admin_rollback(expert: str, to: int | None = None):
+        _known(expert)
+        try:
+            return await backend.admin_rollback(expert, to)
+        except (KeyError, ValueError) as e:
+            raise RequestError(str(e), "to") from None
+
+    @app.post("/admin/experts/{expert}/update")
+    async def admin_update(expert: str):
+        _known(expert)
+        return await backend.admin_update(expert)
+
+    def _known(expert: str) -> None:
+        if expert not in backend.experts():
+            raise RequestError(f"expert: unknown expert {expert!r}; known: {backend.experts()}", "expert", 404)
+
+    return app
+
+
+async def _chain(first, rest):
+    yield first
+    async for x in rest:
+        yield x

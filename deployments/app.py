@@ -1,0 +1,117 @@
+"""The Ray Serve application: `serve run serve_config.yaml` calls ``build_app(args)``.
+
+Two deployments, both thin:
+  Router     FastAPI ingress (deployments/api.py): auth, validation, the expert classifier; it calls
+             the engine with the expert as Ray Serve's multiplexed model id, so an expert's traffic
+             sticks to the replicas that already hold its draft (and its replay buffer).
+  SpecServer one osd_serve.service.SpecService per replica: target + per-expert drafts in one engine
+             loop (the colocated topology), online distillation beside it, W&B + Prometheus metrics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from osd_serve.config import SamplingParams
+
+from .api import make_app
+from .config import AppConfig, parse_config
+
+
+@serve.deployment(name="SpecServer", max_ongoing_requests=64)
+class SpecServer:
+    def __init__(self, cfg: dict):
+        from osd_serve.service import SpecService
+
+        self.cfg = AppConfig.model_validate(cfg)
+        try:
+            tag = serve.get_replica_context().replica_id.unique_id
+        except Exception:  # noqa: BLE001  outside a replica (unit tests)
+            tag = "local"
+        self.service = SpecService(self.cfg, replica_tag=tag)
+
+    @serve.multiplexed(max_num_models_per_replica=64)
+    async def get_expert(self, expert: str) -> str:
+        # Every configured expert is loaded at start; multiplexing is used for its routing: requests
+        # for one expert go to replicas that already serve it, where its buffer and versions live.
+        if expert not in self.service.experts():
+            raise ValueError(f"expert: unknown expert {expert!r}")
+        return expert
+
+    async def generate(self, payload: dict):
+        expert = await self.get_expert(serve.get_multiplexed_model_id() or payload["expert"])
+        try:
+            it = self.service.stream(expert, payload["prompt"], SamplingParams(**payload["params"])).__aiter__()
+            first = await it.__anext__()
+        except ValueError as e:  # sent as data: the router turns it into a 400 naming the field
+            yield {"error": str(e)}
+            return
+        yield first
+        async for d in it:
+            yield d
+
+    def experts(self) -> list[str]:
+        return self.service.experts()
+
+    async def admin(self, op: str, expert: str | None = None, to: int | None = None) -> dict:
+        if op == "experts":
+            return await self.service.admin_experts()
+        if op == "rollback":
+            return await self.service.admin_rollback(expert, to)
+        return await self.service.admin_update(expert)
+
+    def telemetry(self) -> list[dict]:
+        return self.service.telemetry.history
+
+    def __del__(self):
+        svc = getattr(self, "service", None)
+        if svc is not None:
+            svc.close()
+
+
+class _HandleBackend:
+    """The api.py backend interface over a SpecServer deployment handle."""
+
+    def __init__(self, handle: DeploymentHandle, experts: list[str]):
+        self.handle, self._experts = handle, experts
+
+    def experts(self) -> list[str]:
+        return self._experts
+
+    async def stream(self, expert: str, prompt, params: SamplingParams):
+        payload = {"expert": expert, "prompt": prompt, "params": asdict(params)}
+        gen = self.handle.options(stream=True, multiplexed_model_id=expert).generate.remote(payload)
+        async for d in gen:
+            if "error" in d:
+                raise ValueError(d["error"])
+            yield d
+
+    async def admin_experts(self):
+        return await self.handle.admin.remote("experts")
+
+    async def admin_rollback(self, expert, to):
+        return await self.handle.admin.remote("rollback", expert, to)
+
+    async def admin_update(self, expert):
+        return await self.handle.admin.remote("update", expert)
+
+
+def build_app(args: dict | None = None):
+    """The application builder named in serve_config.yaml (import_path: deployments.app:build_app)."""
+    cfg = parse_config(args)
+    if cfg.topology != "colocated":
+        raise ValueError("topology: only 'colocated' is implemented so far (disaggregated is planned)")
+    # The FastAPI app needs the config (auth, classifier) now and the engine handle later, in the
+    # replica: the backend object travels with the app and gets its handle in Router.__init__.
+    backend = _HandleBackend(None, [e.name for e in cfg.experts])
+
+    @serve.deployment(name="Router", max_ongoing_requests=256)
+    @serve.ingress(make_app(backend, cfg))
+    class Router:
+        def __init__(self, server: DeploymentHandle):
+            backend.handle = server
+
+    return Router.bind(SpecServer.bind(cfg.model_dump()))

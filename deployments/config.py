@@ -1,0 +1,94 @@
+"""The application's arguments (the `args:` of serve_config.yaml), validated by pydantic.
+
+Errors name the field and what is allowed, e.g. `distill.trigger_records: Input should be greater
+than or equal to 1`, and unknown keys are refused so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ExpertConfig(_Strict):
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    # The router's classifier: an expert whose keyword occurs in the prompt (case-insensitive) wins;
+    # the first configured expert with a hit is taken, else `default_expert`.
+    keywords: list[str] = []
+    adapter: str | None = None  # a peft LoRA directory (adapter_model.safetensors) on the base draft
+
+
+class DistillConfig(_Strict):
+    enabled: bool = True
+    mode: Literal["full", "lora"] = "lora"
+    trigger_records: int = Field(8, ge=1)
+    trigger_age_s: float = Field(60.0, gt=0)
+    steps_per_update: int = Field(16, ge=1)
+    lr: float = Field(1e-3, gt=0, lt=1)
+    keep: Literal["mismatch", "all"] = "all"
+    buffer_mb: int = Field(256, ge=1)
+    versions_dir: str = "~/.cache/osd-serve/versions"
+    keep_versions: int = Field(5, ge=1)
+
+
+class WandbConfig(_Strict):
+    # auto: online when WANDB_API_KEY is set, else offline (files under dir/wandb, no account needed)
+    mode: Literal["auto", "online", "offline", "disabled"] = "auto"
+    project: str = "osd-serve"
+    dir: str = "~/.cache/osd-serve/wandb"
+    log_every_s: float = Field(10.0, gt=0)
+
+
+class AppConfig(_Strict):
+    target: str | None = None  # local dir or hub id; both None: the embedded default pair (built if missing)
+    draft: str | None = None
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: str = "auto"
+    topology: Literal["colocated", "disaggregated"] = "colocated"
+    experts: list[ExpertConfig] = [ExpertConfig(name="default")]
+    default_expert: str = "default"
+    max_batch_size: int = Field(8, ge=1, le=256)
+    num_speculative_tokens: int = Field(4, ge=0, le=16)
+    max_model_len: int = Field(2048, ge=16)
+    # Keys: from here or the environment (OSD_API_KEY, OSD_ADMIN_KEY). No api_key: /v1 is open.
+    # No admin_key: admin routes are disabled (404), never open.
+    api_key: str | None = None
+    admin_key: str | None = None
+    served_model_name: str = "osd-serve"
+    distill: DistillConfig = DistillConfig()
+    wandb: WandbConfig = WandbConfig()
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        if v not in ("auto", "cpu", "cuda") and not v.startswith("cuda:"):
+            raise ValueError("must be auto, cpu, cuda or cuda:N")
+        return v
+
+    @model_validator(mode="after")
+    def _check(self) -> "AppConfig":
+        if (self.target is None) != (self.draft is None):
+            raise ValueError("give both target and draft, or neither for the embedded default pair")
+        names = [e.name for e in self.experts]
+        if len(set(names)) != len(names):
+            raise ValueError(f"experts: names must be unique, got {names}")
+        if self.default_expert not in names:
+            raise ValueError(f"default_expert: {self.default_expert!r} is not one of the experts {names}")
+        self.api_key = self.api_key or os.environ.get("OSD_API_KEY") or None
+        self.admin_key = self.admin_key or os.environ.get("OSD_ADMIN_KEY") or None
+        return self
+
+
+def parse_config(args: dict | None) -> AppConfig:
+    """AppConfig from serve_config.yaml's args, or ValueError with one line per bad field."""
+    try:
+        return AppConfig.model_validate(args or {})
+    except ValidationError as e:
+        lines = [f"{'.'.join(str(p) for p in err['loc']) or 'args'}: {err['msg']}" for err in e.errors()]
+        raise ValueError("invalid serve_config.yaml args:\n  " + "\n  ".join(lines)) from None

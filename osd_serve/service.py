@@ -1,0 +1,128 @@
+"""The serving core a replica runs: the pair, one draft per expert, the async engine loop, online
+distillation per expert and telemetry. Ray-free: deployments/ wraps it, tests drive it directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import os
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from .config import EngineConfig, SamplingParams
+from .distill.guard import GuardConfig
+from .distill.online import OnlineDistiller
+from .distill.recorder import RecordConfig
+from .distill.replay import BufferConfig, ReplayBuffer
+from .distill.trainer import DistillTrainer, TrainConfig
+from .distill.versions import VersionStore
+from .protocol import render_chat
+from .serving import AsyncSpecServer
+from .telemetry import Telemetry
+
+
+def load_models(cfg):
+    """(target, base draft, tokenizer) from cfg.target/draft, or the embedded default pair, built
+    first (with progress on stderr) when this machine has none."""
+    from .loading import ModelConfig, load_pair
+
+    target, draft = cfg.target, cfg.draft
+    if target is None:
+        from .bootstrap import build_pair
+
+        pair = build_pair()
+        target, draft = pair["target"], pair["draft"]
+    return load_pair(ModelConfig(target=target, draft=draft, dtype=cfg.dtype, device=cfg.device))
+
+
+def expert_draft(base, adapter: str | None):
+    """The base draft with an expert's LoRA adapter merged in (safetensors only, via peft)."""
+    d = copy.deepcopy(base)
+    if adapter is None:
+        return d
+    from .loading import attach_adapter
+
+    return attach_adapter(d, os.path.expanduser(adapter)).merge_and_unload()
+
+
+class SpecService:
+    def __init__(self, cfg, models=None, replica_tag: str = "local"):
+        """cfg: deployments.config.AppConfig (or anything with its fields)."""
+        self.cfg = cfg
+        self.target, base, self.tokenizer = models or load_models(cfg)
+        drafts = {e.name: expert_draft(base, e.adapter) for e in cfg.experts}
+        econf = EngineConfig(max_batch_size=cfg.max_batch_size, max_model_len=cfg.max_model_len)
+        w = cfg.wandb
+        self.telemetry = Telemetry(w.mode, w.project, w.dir, w.log_every_s, config=cfg.model_dump(exclude={"api_key", "admin_key"}),
+                                   name=f"osd-serve-{replica_tag}")
+        self.server = AsyncSpecServer(self.target, self.tokenizer, drafts, econf, on_step=self.telemetry.on_step)
+        self.distillers: dict[str, OnlineDistiller] = {}
+        d = cfg.distill
+        if d.enabled:
+            root = Path(os.path.expanduser(d.versions_dir)) / replica_tag
+            for name, eng in self.server.engines.items():
+                trainer = DistillTrainer(eng.draft, TrainConfig(mode=d.mode, lr=d.lr, steps_per_update=d.steps_per_update))
+                buf = ReplayBuffer(BufferConfig(max_bytes=d.buffer_mb << 20, trigger_records=d.trigger_records,
+                                                trigger_age_s=d.trigger_age_s))
+                dist = OnlineDistiller(eng, trainer, buf, VersionStore(root / name, d.keep_versions), GuardConfig(),
+                                       RecordConfig(keep=d.keep))
+                dist.on_update = self._update_hook(name)
+                dist.start()
+                self.distillers[name] = dist
+
+    def _update_hook(self, expert: str):
+        def hook(res) -> None:
+            loss = res.losses[-1] if res.losses else None
+            self.telemetry.on_event(expert, version=res.version if res.published else None, published=int(res.published),
+                                    loss=loss, buffer_bytes=self.distillers[expert].buffer.nbytes,
+                                    heldout_alpha_hat=res.candidate.get("expected_acceptance"))
+        return hook
+
+    def experts(self) -> list[str]:
+        return list(self.server.engines)
+
+    async def stream(self, expert: str, prompt, params: SamplingParams) -> AsyncIterator[dict]:
+        """prompt: text, token ids, or chat messages [{"role", "content"}] (rendered here)."""
+        t0 = time.perf_counter()
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            prompt = render_chat(prompt, self.tokenizer)
+        n_prompt = len(prompt) if isinstance(prompt, list) else len(self.tokenizer.encode(prompt))
+        async for d in self.server.generate(prompt, params, expert):
+            yield {"text": d.text, "token_ids": d.token_ids, "finished": d.finished, "finish_reason": d.finish_reason,
+                   "prompt_tokens": n_prompt}
+        self.telemetry.on_request(expert, time.perf_counter() - t0)
+
+    async def admin_experts(self) -> dict:
+        out = {}
+        for name, eng in self.server.engines.items():
+            dist = self.distillers.get(name)
+            out[name] = {"serving_version": eng.draft_version,
+                         "versions": dist.store.versions if dist else [],
+                         "updates": len(dist.updates) if dist else 0,
+                         "buffer_bytes": dist.buffer.nbytes if dist else 0}
+        return {"experts": out}
+
+    async def admin_rollback(self, expert: str, to: int | None) -> dict:
+        dist = self._dist(expert)
+        version = await asyncio.to_thread(dist.rollback, to)
+        self.telemetry.on_event(expert, version=version, rollback=1)
+        return {"expert": expert, "serving_version": version}
+
+    async def admin_update(self, expert: str) -> dict:
+        res = await asyncio.to_thread(self._dist(expert).update, expert, "admin")
+        if res is None:
+            return {"expert": expert, "updated": False, "reason": "too few records"}
+        return {"expert": expert, "updated": True, "published": res.published, "reason": res.reason, "version": res.version}
+
+    def _dist(self, expert: str) -> OnlineDistiller:
+        if expert not in self.distillers:
+            raise ValueError(f"expert {expert!r} has no distiller (distill.enabled is false)")
+        return self.distillers[expert]
+
+    def close(self) -> None:
+        for d in self.distillers.values():
+            d.stop()
+        self.server.close()
+        self.telemetry.close()

@@ -1,0 +1,159 @@
+"""An asyncio front for SpecEngine: one engine loop thread per server, many awaiting callers.
+
+Why a thread: an engine step is one long blocking torch call (tens of ms); run on the event loop it
+would stall every other request's I/O. The loop thread owns the engines outright; callers talk to it
+only through a thread-safe inbox (add, abort) and receive their deltas on their own asyncio.Queue,
+so no engine state is ever touched from two threads.
+
+Experts: one SpecEngine per draft expert, all sharing the one target model. The loop steps every
+engine that has work, round-robin, so a busy expert cannot starve another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from .config import EngineConfig, SamplingParams
+from .engine import SpecEngine, StepStats
+from .output import StreamDelta
+
+
+@dataclass
+class _Add:
+    expert: str
+    prompt: object
+    params: SamplingParams
+    request_id: str
+    sink: Callable[[StreamDelta], None]
+    future: concurrent.futures.Future
+
+
+class AsyncSpecServer:
+    def __init__(self, target, tokenizer, drafts: dict[str, object], config: EngineConfig | None = None,
+                 on_step: Callable[[str, StepStats], None] | None = None):
+        """drafts: expert name -> draft model (e.g. the base draft with that expert's adapter merged)."""
+        if not drafts:
+            raise ValueError("at least one draft expert is needed")
+        self.target, self.tokenizer, self.config = target, tokenizer, config or EngineConfig()
+        self.engines: dict[str, SpecEngine] = {n: SpecEngine(target, d, tokenizer, self.config) for n, d in drafts.items()}
+        self.on_step = on_step
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[str, Callable[[StreamDelta], None]] = {}
+        self._owner: dict[str, str] = {}  # request id -> expert
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._loop, name="osd-engine-loop", daemon=True)
+        self._thread.start()
+
+    # ---- caller side (any thread / event loop) -------------------------------------------------------
+    def add_expert(self, name: str, draft) -> None:
+        """Register a new expert; safe while serving (the loop reads a snapshot of the dict)."""
+        self.engines = {**self.engines, name: SpecEngine(self.target, draft, self.tokenizer, self.config)}
+
+    async def generate(self, prompt, params: SamplingParams, expert: str = "default") -> AsyncIterator[StreamDelta]:
+        """Yield deltas as tokens are accepted. Raises ValueError for bad input before any output.
+        Cancelling the iteration (a client that went away) aborts the request and frees its row."""
+        if expert not in self.engines:
+            raise ValueError(f"expert: unknown expert {expert!r}; known: {sorted(self.engines)}")
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue[StreamDelta] = asyncio.Queue()
+        rid = f"cmpl-{next(self._ids)}-{time.monotonic_ns()}"
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(_Add(expert, prompt, params, rid, lambda d: loop.call_soon_threadsafe(q.put_nowait, d), fut))
+        self._wake.set()
+        await asyncio.wrap_future(fut)  # re-raises add_request's ValueError here
+        finished = False
+        try:
+            while not finished:
+                d = await q.get()
+                finished = d.finished
+                yield d
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    # ---- loop thread ------------------------------------------------------------------------------
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, tuple):  # ("abort", request_id)
+                expert = self._owner.get(item[1])
+                if expert is not None:
+                    self.engines[expert].abort(item[1])
+                continue
+            try:
+                self.engines[item.expert].add_request(item.prompt, item.params, request_id=item.request_id, expert=item.expert)
+            except (ValueError, TypeError) as e:
+                item.future.set_exception(ValueError(str(e)))
+                continue
+            self._sinks[item.request_id] = item.sink
+            self._owner[item.request_id] = item.expert
+            item.future.set_result(item.request_id)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._drain_inbox()
+            busy = [(n, e) for n, e in self.engines.items() if e.has_unfinished()]
+            if not busy:
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            for name, eng in busy:
+                try:
+                    deltas, stats = eng.step()
+                except Exception as e:  # noqa: BLE001  a failed step must end its requests, never hang them
+                    self._fail(name, eng, e)
+                    continue
+                for d in deltas:
+                    sink = self._sinks.get(d.request_id)
+                    if sink is not None and (d.token_ids or d.text or d.finished):
+                        sink(d)
+                    if d.finished:
+                        self._sinks.pop(d.request_id, None)
+                        self._owner.pop(d.request_id, None)
+                if stats is not None and self.on_step is not None:
+                    try:
+                        self.on_step(name, stats)
+                    except Exception:  # noqa: BLE001  metrics must never stop serving
+                        logging.getLogger(__name__).exception("on_step callback failed")
+            # aborted requests finish without a delta: forget their sinks too
+            for rid in [r for r, e in self._owner.items() if not self._is_live(e, r)]:
+                self._sinks.pop(rid, None)
+                self._owner.pop(rid, None)
+
+    def _fail(self, name: str, eng: SpecEngine, err: Exception) -> None:
+        """End every request of a failed engine with finish_reason 'error' and start it afresh."""
+        logging.getLogger(__name__).exception("engine step failed for expert %s", name, exc_info=err)
+        for r in itertools.chain(eng.waiting, eng.running):
+            sink = self._sinks.pop(r.request_id, None)
+            self._owner.pop(r.request_id, None)
+            if sink is not None:
+                sink(StreamDelta(r.request_id, "", [], True, "error"))
+        fresh = SpecEngine(self.target, eng.draft, self.tokenizer, self.config, eng.recorder)
+        fresh.draft_version = eng.draft_version
+        self.engines = {**self.engines, name: fresh}
+
+    def _is_live(self, expert: str, rid: str) -> bool:
+        eng = self.engines[expert]
+        return any(r.request_id == rid for r in itertools.chain(eng.waiting, eng.running))

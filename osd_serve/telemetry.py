@@ -1,0 +1,138 @@
+"""Acceptance trends for people (W&B) and for machines (Prometheus via ray.serve.metrics).
+
+W&B runs offline by default: run files land under ``dir`` and can be synced later with
+``wandb sync``; with WANDB_API_KEY set (mode auto) they stream online. Prometheus counters use
+vLLM's spec-decode names where one exists, so existing dashboards work unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import defaultdict, deque
+
+
+def _percentile(xs, q: float) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+class _Prometheus:
+    """Counters through ray.serve.metrics when running inside Ray Serve; no-ops elsewhere."""
+
+    def __init__(self) -> None:
+        try:
+            from ray.serve import metrics
+        except ImportError:
+            self.ok = False
+            return
+        self.ok = True
+        tags = ("expert",)
+        self.draft = metrics.Counter("spec_decode_num_draft_tokens", "draft tokens proposed", tag_keys=tags)
+        self.accepted = metrics.Counter("spec_decode_num_accepted_tokens", "draft tokens accepted", tag_keys=tags)
+        self.emitted = metrics.Counter("spec_decode_num_emitted_tokens", "tokens emitted", tag_keys=tags)
+        self.rate = metrics.Gauge("spec_decode_draft_acceptance_rate", "accepted / tested, last window", tag_keys=tags)
+        self.version = metrics.Gauge("osd_draft_version", "draft version serving", tag_keys=tags)
+        self.latency = metrics.Histogram("osd_request_latency_s", "request latency", boundaries=[0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30],
+                                         tag_keys=tags)
+
+    def step(self, expert: str, st) -> None:
+        if self.ok:
+            t = {"expert": expert}
+            for counter, v in ((self.draft, st.proposed), (self.accepted, st.accepted), (self.emitted, st.emitted)):
+                if v > 0:  # Ray counters refuse inc(0)
+                    counter.inc(v, tags=t)
+
+
+class Telemetry:
+    def __init__(self, mode: str = "auto", project: str = "osd-serve", directory: str = "~/.cache/osd-serve/wandb",
+                 log_every_s: float = 10.0, config: dict | None = None, name: str | None = None):
+        self.log_every_s = log_every_s
+        self._lock = threading.Lock()
+        self._win = defaultdict(lambda: defaultdict(float))  # expert -> sums since the last log
+        self._pos = defaultdict(lambda: [[0, 0] for _ in range(16)])  # expert -> [accepted, proposed] per position
+        self._lat: deque[float] = deque(maxlen=2000)
+        self._events: list[dict] = []
+        self._last = time.monotonic()
+        self.history: list[dict] = []  # everything logged, also kept here (tests, admin route)
+        self.prom = _Prometheus()
+        self.run = None
+        if mode == "auto":
+            mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+        if mode != "disabled":
+            import wandb
+
+            d = os.path.expanduser(directory)
+            os.makedirs(d, exist_ok=True)
+            self.run = wandb.init(project=project, dir=d, mode=mode, config=config or {}, name=name, reinit="create_new")
+
+    def on_step(self, expert: str, st) -> None:
+        self.prom.step(expert, st)
+        with self._lock:
+            w = self._win[expert]
+            w["steps"] += 1
+            w["proposed"] += st.proposed
+            w["accepted"] += st.accepted
+            w["tested"] += st.accepted + st.rejected
+            w["emitted"] += st.emitted
+            w["rows"] += st.batch_size
+            for j, (a, p) in enumerate(zip(st.accepted_per_position, st.proposed_per_position)):
+                self._pos[expert][j][0] += a
+                self._pos[expert][j][1] += p
+        self.maybe_log()
+
+    def on_request(self, expert: str, latency_s: float) -> None:
+        with self._lock:
+            self._lat.append(latency_s)
+        if self.prom.ok:
+            self.prom.latency.observe(latency_s, tags={"expert": expert})
+
+    def on_event(self, expert: str, **fields) -> None:
+        """Version published/refused, rollbacks, buffer size, losses."""
+        with self._lock:
+            self._events.append({"expert": expert, **fields})
+        if self.prom.ok and fields.get("version") is not None:
+            self.prom.version.set(fields["version"], tags={"expert": expert})
+
+    def maybe_log(self, force: bool = False) -> dict | None:
+        now = time.monotonic()
+        with self._lock:
+            if not force and now - self._last < self.log_every_s:
+                return None
+            row: dict = {"time": time.time()}
+            for e, w in self._win.items():
+                if w["tested"]:
+                    row[f"alpha/{e}"] = w["accepted"] / w["tested"]
+                    if self.prom.ok:
+                        self.prom.rate.set(row[f"alpha/{e}"], tags={"expert": e})
+                if w["rows"]:
+                    row[f"tokens_per_step/{e}"] = w["emitted"] / w["rows"]
+                for j, (a, p) in enumerate(self._pos[e]):
+                    if p:
+                        row[f"alpha_pos/{e}/{j}"] = a / p
+            lat = list(self._lat)
+            if lat:
+                row["latency_p50_s"], row["latency_p99_s"] = _percentile(lat, 0.5), _percentile(lat, 0.99)
+            for ev in self._events:
+                e = ev["expert"]
+                for k, v in ev.items():
+                    if k != "expert" and isinstance(v, (int, float)):
+                        row[f"{k}/{e}"] = v
+            self._win.clear()
+            self._pos.clear()
+            self._lat.clear()
+            self._events.clear()
+            self._last = now
+            self.history.append(row)
+        if self.run is not None:
+            self.run.log(row)
+        return row
+
+    def close(self) -> None:
+        self.maybe_log(force=True)
+        if self.run is not None:
+            self.run.finish()
+            self.run = None

@@ -1,0 +1,167 @@
+"""The HTTP API in-process (FastAPI TestClient over SpecService): no Ray needed. The same app runs
+behind Ray Serve in test_serve_e2e.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from deployments.api import make_app
+from deployments.config import AppConfig, parse_config
+from osd_serve.config import SamplingParams
+from osd_serve.service import SpecService
+from tests.conftest import llama, perturbed
+
+PROMPTS = ["def f(x):", "select a from b", "x = [1, 2", "print('hi')", "import os", "class A:"]
+
+
+@pytest.fixture(scope="module")
+def service(tok, tmp_path_factory):
+    target = llama(len(tok), seed=3)
+    tmp = tmp_path_factory.mktemp("svc")
+    cfg = AppConfig(experts=[{"name": "default"}, {"name": "sql", "keywords": ["select"]}], num_speculative_tokens=3,
+                    distill={"trigger_records": 2, "versions_dir": str(tmp / "v"), "mode": "full"},
+                    wandb={"mode": "offline", "dir": str(tmp / "wandb"), "log_every_s": 0.01},
+                    api_key="sk-test", admin_key="admin-test")
+    svc = SpecService(cfg, models=(target, perturbed(target, 0.05), tok))
+    yield svc, target, cfg, tmp
+    svc.close()
+
+
+@pytest.fixture(scope="module")
+def client(service):
+    svc, _, cfg, _ = service
+    return TestClient(make_app(svc, cfg))
+
+
+AUTH = {"Authorization": "Bearer sk-test"}
+
+
+@torch.inference_mode()
+def _greedy(target, tok, prompt, n):
+    ids = torch.tensor([tok.encode(prompt)])
+    out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                          eos_token_id=tok.eos_token_id)
+    return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def test_completions_and_streaming_equal_target_greedy(client, service, tok):
+    _, target, _, _ = service
+    for p in PROMPTS[:4]:
+        want = _greedy(target, tok, p, 12)
+        r = client.post("/v1/completions", headers=AUTH, json={"prompt": p, "max_tokens": 12, "temperature": 0})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["choices"][0]["text"] == want and body["object"] == "text_completion"
+        assert body["usage"]["prompt_tokens"] == len(tok.encode(p))
+        with client.stream("POST", "/v1/completions", headers=AUTH,
+                           json={"prompt": p, "max_tokens": 12, "temperature": 0, "stream": True}) as s:
+            events = [ln[6:] for ln in s.iter_lines() if ln.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == want
+        assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    r = client.post("/v1/chat/completions", headers=AUTH,
+                    json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
+    assert r.json()["choices"][0]["message"]["content"] == _greedy(target, tok, "user: hi\nassistant:", 5)
+
+
+def test_router_picks_experts_and_explicit_expert_wins(client):
+    r = client.post("/v1/completions", headers=AUTH, json={"prompt": "select x", "max_tokens": 2, "temperature": 0})
+    assert r.headers["x-osd-expert"] == "sql"
+    r = client.post("/v1/completions", headers=AUTH, json={"prompt": "select x", "max_tokens": 2, "expert": "default"})
+    assert r.headers["x-osd-expert"] == "default"
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": "x", "logprobs": 3}, "logprobs"),
+    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x" * 3000, "max_tokens": 8}, "prompt"),
+    ({"prompt": "x", "max_tokens": 3000}, "prompt"),
+    ({"prompt": "x", "expert": "nope"}, "expert"),
+    ({"max_tokens": 3}, "prompt"),
+    ({"prompt": "x", "stop": [""]}, "stop"),
+])
+def test_bad_input_is_a_400_naming_the_field(client, body, param):
+    r = client.post("/v1/completions", headers=AUTH, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error"
+    assert client.post("/v1/completions", headers=AUTH, json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_invalid_json_and_auth(client):
+    r = client.post("/v1/completions", headers=AUTH | {"content-type": "application/json"}, content=b"{not json")
+    assert r.status_code == 400
+    assert client.post("/v1/completions", json={"prompt": "x"}).status_code == 401
+    assert client.post("/v1/completions", headers={"Authorization": "Bearer wrong"}, json={"prompt": "x"}).status_code == 401
+    assert client.get("/v1/models").status_code == 401
+    assert client.get("/health").status_code == 200  # health stays open for load balancers
+    assert client.get("/admin/experts", headers=AUTH).status_code == 401
+    assert client.get("/admin/experts", headers={"Authorization": "Bearer admin-test"}).json()["experts"].keys() == {"default", "sql"}
+
+
+def test_admin_routes_are_off_without_an_admin_key(service):
+    svc, _, cfg, _ = service
+    c = TestClient(make_app(svc, cfg.model_copy(update={"admin_key": None})))
+    assert c.get("/admin/experts").status_code == 404
+
+
+def test_admin_update_and_rollback(client):
+    adm = {"Authorization": "Bearer admin-test"}
+    for p in PROMPTS:
+        client.post("/v1/completions", headers=AUTH, json={"prompt": p, "max_tokens": 10, "temperature": 0, "expert": "default"})
+    r = client.post("/admin/experts/default/update", headers=adm)
+    assert r.status_code == 200 and r.json()["updated"] in (True, False)
+    info = client.get("/admin/experts", headers=adm).json()["experts"]["default"]
+    oldest = info["versions"][0]
+    r = client.post(f"/admin/experts/default/rollback?to={oldest}", headers=adm)
+    assert r.status_code == 200 and r.json()["serving_version"] == oldest
+    assert client.post("/admin/experts/default/rollback?to=99", headers=adm).status_code == 400
+    assert client.post("/admin/experts/nope/update", headers=adm).status_code == 404
+
+
+def test_a_client_that_goes_away_frees_its_row(service):
+    svc, _, _, _ = service
+
+    async def run():
+        gen = svc.stream("default", "def g(", SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+        await gen.__anext__()
+        await gen.aclose()  # what Starlette does when the client disconnects
+        for _ in range(100):
+            eng = svc.server.engines["default"]
+            if not eng.running and not eng.waiting:
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+    assert asyncio.run(run())
+
+
+def test_wandb_offline_files_hold_the_alpha_history(client, service):
+    svc, _, _, tmp = service
+    for p in PROMPTS:
+        client.post("/v1/completions", headers=AUTH, json={"prompt": p, "max_tokens": 8, "temperature": 0})
+    svc.telemetry.maybe_log(force=True)
+    hist = [h for h in svc.telemetry.history if "alpha/default" in h]
+    assert hist and all(0 <= h["alpha/default"] <= 1 for h in hist)
+    svc.telemetry.close()  # finishes the run: its offline file is complete on disk
+    files = list((tmp / "wandb").rglob("*.wandb"))
+    assert files, "no offline run file"
+    assert any(b"alpha/default" in f.read_bytes() for f in files)
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="distill.trigger_records"):
+        parse_config({"distill": {"trigger_records": 0}})
+    with pytest.raises(ValueError, match="topolgy"):
+        parse_config({"topolgy": "colocated"})
+    with pytest.raises(ValueError, match="default_expert"):
+        parse_config({"default_expert": "x"})
