@@ -34,20 +34,31 @@ def segments(sources):
     return segs
 
 
+def _mean(xs):
+    xs = [v for v in xs if v is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
 def adaptation(result, run="online", window=10, frac=0.9):
-    """Per segment: plateau (mean α over its last quarter) and the requests after the shift until
-    the trailing-window mean first reaches frac x plateau."""
+    """Per segment: its own plateau (mean α over the last quarter), the offline draft's plateau on
+    the same requests (a fixed reference: what a draft that knows the domain reaches), and the
+    requests after the shift until the trailing-window mean first reaches frac x each."""
     alpha = [t["acceptance"] for t in result["runs"][run]["per_request"]]
+    off = [t["acceptance"] for t in result["runs"]["offline"]["per_request"]] if "offline" in result["runs"] else None
     rows = []
     for src, a, b in segments(result["sources"]):
         seg = alpha[a:b]
-        tail = [v for v in seg[-max(1, len(seg) // 4) :] if v is not None]
-        plateau = sum(tail) / len(tail) if tail else None
+        q = max(1, len(seg) // 4)
+        plateau = _mean(seg[-q:])
+        ref = _mean(off[a:b][-q:]) if off else None
         roll = rolling(seg, window)
-        need = next((i + 1 for i, v in enumerate(roll) if i >= window - 1 and plateau and v >= frac * plateau), None)
-        first = [v for v in seg[:window] if v is not None]
-        rows.append({"source": src, "start": a, "requests": b - a, "plateau": plateau,
-                     "first_window": sum(first) / len(first) if first else None, "requests_to_90pct": need})
+
+        def reach(level):
+            return next((i + 1 for i, v in enumerate(roll) if i >= window - 1 and level and v >= frac * level), None)
+
+        rows.append({"source": src, "start": a, "requests": b - a, "plateau": plateau, "offline_plateau": ref,
+                     "first_window": _mean(seg[:window]), "second_half": _mean(seg[len(seg) // 2 :]),
+                     "requests_to_90pct": reach(plateau), "requests_to_90pct_offline": reach(ref)})
     return rows
 
 
@@ -78,14 +89,17 @@ def main(root: str) -> None:
     print()
     if "shift" in res:
         print("## Adaptation after each shift (online run)\n")
-        print("Requests after the shift until the trailing 10-request mean α first reaches 90% of the segment's")
-        print("plateau (mean over its last quarter); the static draft's plateau for comparison.\n")
-        print("| segment | starts at | requests | static plateau | online first 10 | online plateau | requests to 90% |")
-        print("|---|---|---|---|---|---|---|")
+        print("Requests after the shift until the trailing 10-request mean α first reaches 90% of a plateau: the")
+        print("online run's own (mean over the segment's last quarter) and the offline draft's on the same requests.")
+        print("The second-half mean shows whether the online draft stayed there.\n")
+        print("| segment | starts at | requests | static plateau | offline plateau | online first 10 | online plateau | "
+              "online 2nd-half mean | requests to 90% of own | requests to 90% of offline |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         static = {s["source"]: s for s in adaptation(res["shift"], "static")} if "static" in res["shift"]["runs"] else {}
         for s in adaptation(res["shift"]):
             print(f"| {s['source']} | {s['start']} | {s['requests']} | {_f(static.get(s['source'], {}).get('plateau'))} | "
-                  f"{_f(s['first_window'])} | {_f(s['plateau'])} | {s['requests_to_90pct']} |")
+                  f"{_f(s['offline_plateau'])} | {_f(s['first_window'])} | {_f(s['plateau'])} | {_f(s['second_half'])} | "
+                  f"{s['requests_to_90pct']} | {s['requests_to_90pct_offline']} |")
         print()
     keep = {n: r for n, r in res.items() if r.get("record_bytes")}
     if keep:

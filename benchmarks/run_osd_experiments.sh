@@ -2,7 +2,7 @@
 # Issue 3 experiments: online distillation on the paper's four single-domain streams and a sharp
 # shift between them, on a pair built from ../shared/datasets. Regenerate everything with
 #   bash benchmarks/run_osd_experiments.sh            (then: python benchmarks/osd_report.py)
-# ~45 min on 2 CPU cores, plus ~17 min to build the pair on first use.
+# ~55 min on 2 CPU cores, plus ~17 min to build the pair on first use.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 D=${OSD_DATASETS:-../shared/datasets}
@@ -30,5 +30,7 @@ run shift  --data "$D/gsm8k/test.jsonl" "$D/spider/dev.json" "$D/mbpp/mbpp.jsonl
            "$D/alpaca-5000-subset/alpaca_5000.json" --field question,text,instruction --max-requests "$NSHIFT"
 # Which positions to record: only the draft's mistakes (the paper) against all verified positions.
 run gsm8k_keep_mismatch --data "$D/gsm8k/test.jsonl" --field question --max-requests "$N" --keep mismatch --online-only
+# Full distributions against top-32 + rest mass: bytes per record and what it costs in acceptance.
+run gsm8k_top32 --data "$D/gsm8k/test.jsonl" --field question --max-requests "$N" --topk 32 --online-only
 python benchmarks/osd_report.py "$OUT" > benchmarks/OSD.md
 echo "wrote benchmarks/OSD.md" >&2

@@ -5,7 +5,7 @@ Backend:
     async stream(expert, prompt, params) -> async iterator of dicts
         {"text", "token_ids", "finished", "finish_reason", "prompt_tokens"}; raises ValueError on bad input
     experts() -> list[str]
-    async admin_experts() -> dict;  async admin_rollback(expert, to) -> dict;  async admin_update(expert) -> dict
+    async admin_experts(), admin_metrics(), admin_rollback(expert, to), admin_update(expert) -> dict
 """
 
 from __future__ import annotations
@@ -117,6 +117,11 @@ def make_app(backend, cfg: AppConfig) -> FastAPI:
     @app.get("/admin/experts")
     async def admin_experts():
         return await backend.admin_experts()
+
+    @app.get("/admin/metrics")
+    async def admin_metrics():
+        """The telemetry rows also sent to W&B (acceptance per expert and position, latency, versions)."""
+        return await backend.admin_metrics()
 
     @app.post("/admin/experts/{expert}/rollback")
     async def admin_rollback(expert: str, to: int | None = None):

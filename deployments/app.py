@@ -59,12 +59,11 @@ class SpecServer:
     async def admin(self, op: str, expert: str | None = None, to: int | None = None) -> dict:
         if op == "experts":
             return await self.service.admin_experts()
+        if op == "metrics":
+            return await self.service.admin_metrics()
         if op == "rollback":
             return await self.service.admin_rollback(expert, to)
         return await self.service.admin_update(expert)
-
-    def telemetry(self) -> list[dict]:
-        return self.service.telemetry.history
 
     def __del__(self):
         svc = getattr(self, "service", None)
@@ -91,6 +90,9 @@ class _HandleBackend:
 
     async def admin_experts(self):
         return await self.handle.admin.remote("experts")
+
+    async def admin_metrics(self):
+        return await self.handle.admin.remote("metrics")
 
     async def admin_rollback(self, expert, to):
         return await self.handle.admin.remote("rollback", expert, to)

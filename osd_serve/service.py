@@ -98,11 +98,15 @@ class SpecService:
         out = {}
         for name, eng in self.server.engines.items():
             dist = self.distillers.get(name)
-            out[name] = {"serving_version": eng.draft_version,
+            out[name] = {"serving_version": eng.draft_version, "running": len(eng.running), "waiting": len(eng.waiting),
                          "versions": dist.store.versions if dist else [],
                          "updates": len(dist.updates) if dist else 0,
                          "buffer_bytes": dist.buffer.nbytes if dist else 0}
         return {"experts": out}
+
+    async def admin_metrics(self) -> dict:
+        self.telemetry.maybe_log()
+        return {"history": self.telemetry.history[-500:]}
 
     async def admin_rollback(self, expert: str, to: int | None) -> dict:
         dist = self._dist(expert)

@@ -20,6 +20,7 @@ class GuardConfig:
     tolerance: float = 0.0  # publish if alpha-hat(new) >= alpha-hat(serving) - tolerance
     heldout_fraction: float = 0.25  # the newest records of an update, held out of its training
     min_heldout: int = 2
+    max_heldout: int = 32  # the slice is recent traffic: a whole buffer's worth would be stale
 
     def __post_init__(self) -> None:
         if not 0.0 < self.heldout_fraction < 1.0:
@@ -76,6 +77,8 @@ def check(candidate, serving, heldout: list[ReplayRecord], vocab: int, cfg: Guar
         return Verdict(False, "no held-out positions", new, cur)
     if new["expected_acceptance"] != new["expected_acceptance"]:  # NaN logits from finite weights
         return Verdict(False, "non-finite acceptance", new, cur)
-    if new["expected_acceptance"] < cur["expected_acceptance"] - cfg.tolerance:
-        return Verdict(False, f"alpha-hat {new['expected_acceptance']:.4f} < serving {cur['expected_acceptance']:.4f}", new, cur)
+    # Both must hold: alpha-hat is what sampled requests accept, greedy agreement what greedy ones do.
+    for key, name in (("expected_acceptance", "alpha-hat"), ("greedy_agreement", "greedy agreement")):
+        if new[key] < cur[key] - cfg.tolerance:
+            return Verdict(False, f"{name} {new[key]:.4f} < serving {cur[key]:.4f}", new, cur)
     return Verdict(True, "ok", new, cur)

@@ -83,7 +83,7 @@ class OnlineDistiller:
             shard = self.buffer.shard(expert)
             records = list(shard.records)
             shard.mark_updated()
-        n_held = max(self.guard.min_heldout, math.ceil(self.guard.heldout_fraction * len(records)))
+        n_held = max(self.guard.min_heldout, min(self.guard.max_heldout, math.ceil(self.guard.heldout_fraction * len(records))))
         if len(records) < n_held + 1:
             return None
         # The newest records are held out: they are what the next requests will look like.

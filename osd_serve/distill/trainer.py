@@ -38,6 +38,11 @@ class TrainConfig:
     beta: float = 0.5  # for jsd
     student_fraction: float = 0.0  # 0 teacher-sampled, 1 student-sampled, between: mixed
     chunk_size: int = 0  # > 0: forward KL through the chunked/fused path, this many positions per chunk
+    # Recency: this share of each minibatch comes from the newest `recent_window` records, the rest
+    # uniformly from the whole buffer. After a shift the buffer is mostly the old domain; uniform
+    # replay alone would adapt slowly, pure recency would forget.
+    recent_fraction: float = 0.5
+    recent_window: int = 64
     max_grad_norm: float = 1.0
     seed: int = 0
 
@@ -46,6 +51,8 @@ class TrainConfig:
             raise ValueError(f"mode must be 'full' or 'lora', got {self.mode!r}")
         if self.loss not in LOSSES:
             raise ValueError(f"loss must be one of {sorted(LOSSES)}, got {self.loss!r}")
+        if not 0.0 <= self.recent_fraction <= 1.0:
+            raise ValueError(f"recent_fraction must be in [0, 1], got {self.recent_fraction}")
         if not 0.0 <= self.student_fraction <= 1.0:
             raise ValueError(f"student_fraction must be in [0, 1], got {self.student_fraction}")
         if self.chunk_size and self.loss != "forward_kl":
@@ -163,7 +170,7 @@ class DistillTrainer:
         steps = steps or self.cfg.steps_per_update
         out = []
         for _ in tqdm(range(steps), desc="distil", unit="step", disable=not progress, leave=False):
-            batch = self._rng.sample(records, min(self.cfg.batch_size, len(records)))
+            batch = self._minibatch(records)
             loss = self.batch_loss(batch)
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -172,6 +179,14 @@ class DistillTrainer:
             out.append(loss.item())
         self.losses.extend(out)
         return out
+
+    def _minibatch(self, records: list[ReplayRecord]) -> list[ReplayRecord]:
+        """records are oldest first; the recent share is drawn from the newest recent_window of them."""
+        size = min(self.cfg.batch_size, len(records))
+        n_recent = round(self.cfg.recent_fraction * size)
+        recent = records[-self.cfg.recent_window :]
+        batch = self._rng.sample(recent, min(n_recent, len(recent)))
+        return batch + self._rng.sample(records, size - len(batch))
 
     def commit(self) -> None:
         """The guard published this student: it is the new point to revert to."""
