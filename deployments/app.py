@@ -74,8 +74,17 @@ class SpecServer:
 class _HandleBackend:
     """The api.py backend interface over a SpecServer deployment handle."""
 
-    def __init__(self, handle: DeploymentHandle, experts: list[str]):
-        self.handle, self._experts = handle, experts
+    def __init__(self, experts: list[str]):
+        self._experts = experts
+        self._handle: DeploymentHandle | None = None
+
+    @property
+    def handle(self) -> DeploymentHandle:
+        # Resolved in the Router replica, on first use: the app (and this object) is pickled apart
+        # from the Router class, so the handle passed to Router.__init__ cannot reach it.
+        if self._handle is None:
+            self._handle = serve.get_deployment_handle("SpecServer", serve.get_replica_context().app_name)
+        return self._handle
 
     def experts(self) -> list[str]:
         return self._experts
@@ -106,14 +115,12 @@ def build_app(args: dict | None = None):
     cfg = parse_config(args)
     if cfg.topology != "colocated":
         raise ValueError("topology: only 'colocated' is implemented so far (disaggregated is planned)")
-    # The FastAPI app needs the config (auth, classifier) now and the engine handle later, in the
-    # replica: the backend object travels with the app and gets its handle in Router.__init__.
-    backend = _HandleBackend(None, [e.name for e in cfg.experts])
-
+    # The FastAPI app needs the config (auth, classifier) now; the backend finds the SpecServer
+    # handle itself, in the replica.
     @serve.deployment(name="Router", max_ongoing_requests=256)
-    @serve.ingress(make_app(backend, cfg))
+    @serve.ingress(make_app(_HandleBackend([e.name for e in cfg.experts]), cfg))
     class Router:
         def __init__(self, server: DeploymentHandle):
-            backend.handle = server
+            self.server = server  # binding SpecServer here is what deploys it with the app
 
     return Router.bind(SpecServer.bind(cfg.model_dump()))

@@ -53,7 +53,9 @@ def server(tmp_path_factory):
         d["ray_actor_options"] = {"num_cpus": 0.5}
     path = tmp / "serve_config.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    env = os.environ | {"RAY_DEDUP_LOGS": "0", "HF_HUB_OFFLINE": "1", "TRITON_INTERPRET": "1"}
+    # A busy 2-core machine answers health checks slowly: the proxy must not be killed for it.
+    env = os.environ | {"RAY_DEDUP_LOGS": "0", "HF_HUB_OFFLINE": "1", "TRITON_INTERPRET": "1",
+                        "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "120", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60"}
     serve_cli = Path(sys.executable).with_name("serve")  # the console script of this environment's ray
     proc = subprocess.Popen([str(serve_cli) if serve_cli.exists() else "serve", "run", str(path)], cwd=tmp, env=env,
                             stdout=open(tmp / "serve.log", "w"), stderr=subprocess.STDOUT)
