@@ -26,6 +26,12 @@ class ExpertConfig(_Strict):
 
 class DistillConfig(_Strict):
     enabled: bool = True
+    # local: each SpecServer replica distils its own traffic in a thread beside its engine.
+    # ray_train: replicas send records to a replay buffer actor (Ray object store); a controller
+    # runs Ray Train jobs on GPUs (or CPUs) serving leaves idle and publishes to versions_dir,
+    # which every replica watches. versions_dir must then be storage all nodes share.
+    backend: Literal["local", "ray_train"] = "local"
+    max_train_workers: int = Field(4, ge=1)
     mode: Literal["full", "lora"] = "lora"
     trigger_records: int = Field(8, ge=1)
     trigger_age_s: float = Field(60.0, gt=0)

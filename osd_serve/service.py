@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import os
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -14,7 +15,7 @@ from pathlib import Path
 from .config import EngineConfig, SamplingParams
 from .distill.guard import GuardConfig
 from .distill.online import OnlineDistiller
-from .distill.recorder import RecordConfig
+from .distill.recorder import RecordConfig, Recorder
 from .distill.replay import BufferConfig, ReplayBuffer
 from .distill.trainer import DistillTrainer, TrainConfig
 from .distill.versions import VersionStore
@@ -23,17 +24,21 @@ from .serving import AsyncSpecServer
 from .telemetry import Telemetry
 
 
+def model_paths(cfg) -> tuple[str, str]:
+    """cfg.target/draft, or the embedded default pair, built first (progress on stderr) if missing."""
+    if cfg.target is not None:
+        return cfg.target, cfg.draft
+    from .bootstrap import build_pair
+
+    pair = build_pair()
+    return pair["target"], pair["draft"]
+
+
 def load_models(cfg):
-    """(target, base draft, tokenizer) from cfg.target/draft, or the embedded default pair, built
-    first (with progress on stderr) when this machine has none."""
+    """(target, base draft, tokenizer)."""
     from .loading import ModelConfig, load_pair
 
-    target, draft = cfg.target, cfg.draft
-    if target is None:
-        from .bootstrap import build_pair
-
-        pair = build_pair()
-        target, draft = pair["target"], pair["draft"]
+    target, draft = model_paths(cfg)
     return load_pair(ModelConfig(target=target, draft=draft, dtype=cfg.dtype, device=cfg.device))
 
 
@@ -48,8 +53,11 @@ def expert_draft(base, adapter: str | None):
 
 
 class SpecService:
-    def __init__(self, cfg, models=None, replica_tag: str = "local"):
-        """cfg: deployments.config.AppConfig (or anything with its fields)."""
+    def __init__(self, cfg, models=None, replica_tag: str = "local", record_sink=None):
+        """cfg: deployments.config.AppConfig (or anything with its fields).
+
+        record_sink(record): distillation runs elsewhere (deployments/distiller.py): finished
+        requests' records go to the sink, and new versions are picked up from versions_dir."""
         self.cfg = cfg
         self.target, base, self.tokenizer = models or load_models(cfg)
         drafts = {e.name: expert_draft(base, e.adapter) for e in cfg.experts}
@@ -60,7 +68,10 @@ class SpecService:
         self.server = AsyncSpecServer(self.target, self.tokenizer, drafts, econf, on_step=self.telemetry.on_step)
         self.distillers: dict[str, OnlineDistiller] = {}
         d = cfg.distill
-        if d.enabled:
+        self._stop = threading.Event()
+        if d.enabled and record_sink is not None:
+            self._watch_versions(Path(os.path.expanduser(d.versions_dir)), record_sink, RecordConfig(keep=d.keep))
+        elif d.enabled:
             root = Path(os.path.expanduser(d.versions_dir)) / replica_tag
             for name, eng in self.server.engines.items():
                 trainer = DistillTrainer(eng.draft, TrainConfig(mode=d.mode, lr=d.lr, steps_per_update=d.steps_per_update))
@@ -71,6 +82,35 @@ class SpecService:
                 dist.on_update = self._update_hook(name)
                 dist.start()
                 self.distillers[name] = dist
+
+    def _watch_versions(self, root: Path, sink, record_cfg: RecordConfig, poll_s: float = 2.0) -> None:
+        """Records go to the sink; a thread swaps in any version another process publishes."""
+        stores = {}
+        for name, eng in self.server.engines.items():
+            eng.recorder = Recorder(record_cfg, on_finish=lambda rec, tr: rec is not None and sink(rec))
+            stores[name] = VersionStore(root / name)
+            if stores[name].refresh() is None:  # version 0: this expert's draft as configured
+                stores[name].publish({n: t.clone() for n, t in eng.draft.state_dict().items()}, {"reason": "initial draft"})
+            eng.draft_version = stores[name].current
+
+        def poll():
+            while not self._stop.wait(poll_s):
+                for name, store in stores.items():
+                    eng = self.server.engines[name]
+                    try:
+                        v = store.refresh()
+                        if v is not None and v != eng.draft_version:
+                            eng.swap_draft(store.load(v), v)
+                            self.telemetry.on_event(name, version=v)
+                    except (OSError, ValueError, KeyError):  # a version being pruned as we read: next poll
+                        continue
+
+        threading.Thread(target=poll, name="osd-version-watch", daemon=True).start()
+
+    def load(self) -> tuple[int, int]:
+        """(ongoing sequences, capacity): what the distill controller weighs against training."""
+        engines = self.server.engines.values()
+        return sum(len(e.running) + len(e.waiting) for e in engines), self.cfg.max_batch_size * len(engines)
 
     def _update_hook(self, expert: str):
         def hook(res) -> None:
@@ -126,6 +166,7 @@ class SpecService:
         return self.distillers[expert]
 
     def close(self) -> None:
+        self._stop.set()
         for d in self.distillers.values():
             d.stop()
         self.server.close()

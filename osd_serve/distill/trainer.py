@@ -68,7 +68,10 @@ def _student_positions(rec: ReplayRecord) -> torch.Tensor:
 
 
 class DistillTrainer:
-    def __init__(self, draft, cfg: TrainConfig | None = None, teacher=None, vocab: int | None = None):
+    def __init__(self, draft, cfg: TrainConfig | None = None, teacher=None, vocab: int | None = None, grad_hook=None):
+        """grad_hook(params), if given, runs after backward and before clipping: data-parallel
+        workers all-reduce their gradients there (deployments/distiller.py)."""
+        self.grad_hook = grad_hook
         self.cfg = cfg or TrainConfig()
         if self.cfg.student_fraction > 0 and teacher is None:
             raise ValueError("student_fraction > 0 needs the teacher (target) model to score samples")
@@ -174,6 +177,8 @@ class DistillTrainer:
             loss = self.batch_loss(batch)
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            if self.grad_hook is not None:
+                self.grad_hook(self._params())
             torch.nn.utils.clip_grad_norm_(self._params(), self.cfg.max_grad_norm)
             self.optimizer.step()
             out.append(loss.item())

@@ -33,6 +33,13 @@ class VersionStore:
         m = self.root / "manifest.json"
         self.manifest = json.loads(m.read_text()) if m.exists() else {"current": None, "versions": []}
 
+    def refresh(self) -> int | None:
+        """Re-read the manifest (another process may have published); returns the current version."""
+        m = self.root / "manifest.json"
+        if m.exists():
+            self.manifest = json.loads(m.read_text())
+        return self.current
+
     @property
     def current(self) -> int | None:
         return self.manifest["current"]

@@ -1,0 +1,207 @@
+"""Cluster-wide distillation: a replay buffer actor over Ray's object store, and a controller that
+runs Ray Train jobs on capacity serving leaves idle, guards them, and publishes draft versions.
+
+    SpecServer replicas --record--> ReplayBufferActor: ray.put into the object store; keeps refs + sizes
+    DistillController: buffer due? + spare capacity? -> TorchTrainer(N workers) -> guard -> VersionStore
+    SpecServer replicas poll the VersionStore and hot-swap (osd_serve/service.py)
+
+Records live in the object store: the buffer actor puts them there (so it owns them, and a replica
+that dies does not take its records along) and holds only their refs and byte sizes. The byte bound, the size/age
+triggers and FIFO/reservoir eviction are the core ReplayBuffer's, applied to the refs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ray
+
+from osd_serve.distill.replay import BufferConfig, ReplayBuffer
+
+BUFFER_NAME, CONTROLLER_NAME, NAMESPACE = "osd-replay-buffer", "osd-distill-controller", "osd-serve"
+
+
+@dataclass
+class RecordRef:
+    """What the buffer keeps per record: the object ref and what eviction needs."""
+
+    ref: list  # [ObjectRef] (wrapped in a list so Ray never resolves it on the way in)
+    nbytes: int
+    expert: str
+    created: float = field(default_factory=time.monotonic)
+
+
+@ray.remote(num_cpus=0)
+class ReplayBufferActor:
+    def __init__(self, cfg: dict):
+        self.buffer = ReplayBuffer(BufferConfig(**cfg))
+
+    def add(self, expert: str, record, nbytes: int) -> bool:
+        # Put here, not by the sender: the object's owner is the process that put it, and the
+        # buffer must own its records, or a replica that goes away would take its records along.
+        return self.buffer.add(RecordRef([ray.put(record)], nbytes, expert))
+
+    def due(self) -> dict[str, str]:
+        return self.buffer.due()
+
+    def take(self, expert: str) -> list:
+        """All refs of the expert's shard, oldest first; starts a new trigger window."""
+        shard = self.buffer.shard(expert)
+        shard.mark_updated()
+        return [r.ref[0] for r in shard.records]
+
+    def stats(self) -> dict:
+        return {e: {"records": len(s.records), "bytes": s.nbytes, "seen": s.seen} for e, s in self.buffer.shards.items()}
+
+
+def plan_workers(available: dict, serve_load: float, max_workers: int = 4, busy_load: float = 0.75,
+                 cpus_per_worker: float = 0.5) -> dict | None:
+    """How many Ray Train workers to launch now, on what. None: wait.
+
+    available: ray.available_resources() (what serving left idle). serve_load: the serving
+    replicas' ongoing requests over their capacity, in [0, 1]. Idle GPUs are always worth using
+    (serving holds the GPUs it needs through its own reservations); CPUs only when serving is not
+    busy, since on CPU the trainer and the engine compete for the same cores.
+    """
+    gpus = math.floor(available.get("GPU", 0.0) + 1e-9)
+    if gpus >= 1:
+        return {"num_workers": min(gpus, max_workers), "use_gpu": True}
+    if serve_load >= busy_load:
+        return None
+    cpus = math.floor(available.get("CPU", 0.0) / cpus_per_worker + 1e-9)
+    if cpus >= 1:
+        return {"num_workers": min(cpus, max_workers), "use_gpu": False, "cpus_per_worker": cpus_per_worker}
+    return None
+
+
+def train_loop_per_worker(config: dict) -> None:
+    """One Ray Train worker: its share of the records, gradients all-reduced across workers."""
+    import ray.train
+    import ray.train.torch
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from osd_serve.distill.trainer import DistillTrainer, TrainConfig
+
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    device = ray.train.torch.get_device() if config["use_gpu"] else torch.device("cpu")
+    draft = AutoModelForCausalLM.from_pretrained(config["draft_path"]).to(device)
+    draft.load_state_dict(load_file(config["state_path"]), strict=False)
+    records = ray.get(config["record_refs"])[rank::world]
+
+    def all_reduce(params):
+        if world > 1:
+            for p in params:
+                if p.grad is not None:
+                    dist.all_reduce(p.grad)
+                    p.grad /= world
+
+    trainer = DistillTrainer(draft, TrainConfig(**config["train"]), grad_hook=all_reduce)
+    losses = trainer.train(records, steps=config["steps"])
+    metrics = {"loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None}
+    if rank == 0:
+        with tempfile.TemporaryDirectory() as d:
+            save_file({n: t.cpu() for n, t in trainer.serving_state().items()}, os.path.join(d, "draft.safetensors"))
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))
+    else:
+        ray.train.report(metrics)
+
+
+def run_train_job(plan: dict, record_refs: list, draft_path: str, state_path: str, train_cfg: dict, steps: int,
+                  storage: str) -> dict:
+    """One Ray Train TorchTrainer run; returns the trained serving state (names of the draft)."""
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+    from safetensors.torch import load_file
+
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={"record_refs": record_refs, "draft_path": draft_path, "state_path": state_path,
+                           "train": train_cfg, "steps": steps, "use_gpu": plan["use_gpu"]},
+        scaling_config=ScalingConfig(num_workers=plan["num_workers"], use_gpu=plan["use_gpu"],
+                                     resources_per_worker=None if plan["use_gpu"] else {"CPU": plan["cpus_per_worker"]}),
+        run_config=RunConfig(storage_path=storage, name=f"distill-{time.time_ns()}"),
+    )
+    result = trainer.fit()
+    with result.checkpoint.as_directory() as d:
+        return load_file(str(Path(d) / "draft.safetensors"))
+
+
+@ray.remote(num_cpus=0)
+class DistillController:
+    """Watches the buffer's triggers and the spare capacity; trains, guards and publishes."""
+
+    def __init__(self, draft_path: str, versions_dir: str, train_cfg: dict, steps: int, max_workers: int = 4,
+                 heldout: int = 16, poll_s: float = 1.0):
+        self.draft_path, self.versions_dir = draft_path, Path(os.path.expanduser(versions_dir))
+        self.train_cfg, self.steps, self.max_workers, self.heldout = train_cfg, steps, max_workers, heldout
+        self.buffer = ray.get_actor(BUFFER_NAME, namespace=NAMESPACE)
+        self.load: dict[str, tuple[float, float]] = {}  # replica -> (ongoing, capacity), from heartbeats
+        self.events: list[dict] = []
+        self.state = "idle"
+        self._stop = threading.Event()
+        threading.Thread(target=self._loop, args=(poll_s,), daemon=True).start()
+
+    def heartbeat(self, replica: str, ongoing: float, capacity: float) -> None:
+        self.load[replica] = (ongoing, capacity)
+
+    def serve_load(self) -> float:
+        cap = sum(c for _, c in self.load.values())
+        return sum(o for o, _ in self.load.values()) / cap if cap else 0.0
+
+    def history(self) -> list[dict]:
+        return list(self.events)
+
+    def status(self) -> dict:
+        return {"state": self.state, "serve_load": self.serve_load(), "updates": len(self.events)}
+
+    def _loop(self, poll_s: float) -> None:
+        while not self._stop.is_set():
+            try:
+                for expert, why in ray.get(self.buffer.due.remote()).items():
+                    plan = plan_workers(ray.available_resources(), self.serve_load(), self.max_workers)
+                    if plan is None:
+                        continue  # no spare capacity: the trigger stays due, retried next poll
+                    self.state = f"training {expert} on {plan}"
+                    self.events.append(self._update(expert, why, plan))
+                    self.state = "idle"
+            except Exception as e:  # noqa: BLE001  the controller outlives one failed job
+                self.events.append({"error": repr(e), "time": time.time()})
+            self._stop.wait(poll_s)
+
+    def _update(self, expert: str, why: str, plan: dict) -> dict:
+        from osd_serve.distill.guard import GuardConfig, check
+        from osd_serve.distill.versions import VersionStore
+        from transformers import AutoModelForCausalLM
+
+        t0 = time.time()
+        refs = ray.get(self.buffer.take.remote(expert))
+        n_held = min(self.heldout, max(2, len(refs) // 4))
+        if len(refs) <= n_held:
+            return {"expert": expert, "skipped": "too few records", "time": t0}
+        store = VersionStore(self.versions_dir / expert)
+        serving = AutoModelForCausalLM.from_pretrained(self.draft_path)
+        if store.refresh() is None:
+            store.publish({n: t.clone() for n, t in serving.state_dict().items()}, {"reason": "initial draft"})
+        serving.load_state_dict(store.load(), strict=False)
+        state_path = str(store.path(store.current) / "draft.safetensors")
+        state = run_train_job(plan, refs[:-n_held], self.draft_path, state_path, self.train_cfg, self.steps,
+                              str(self.versions_dir / "ray_train"))
+        candidate = AutoModelForCausalLM.from_pretrained(self.draft_path)
+        candidate.load_state_dict(state, strict=False)
+        vocab = serving.get_output_embeddings().weight.shape[0]
+        verdict = check(candidate, serving, ray.get(refs[-n_held:]), vocab, GuardConfig(), candidate_state=state)
+        version = store.publish(state, {"trigger": why, "plan": plan, "candidate": verdict.candidate,
+                                        "serving": verdict.serving}) if verdict.publish else None
+        return {"expert": expert, "trigger": why, "plan": plan, "published": verdict.publish, "reason": verdict.reason,
+                "version": version, "candidate": verdict.candidate, "serving": verdict.serving, "time": t0,
+                "seconds": time.time() - t0}

@@ -1,0 +1,109 @@
+"""The cluster distillation pieces on a local Ray cluster with logical GPUs: the capacity decision,
+the object-store replay buffer, a Ray Train job, and the controller publishing a guarded version."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("ray.train")
+
+from deployments.distiller import BUFFER_NAME, NAMESPACE, DistillController, ReplayBufferActor, plan_workers  # noqa: E402
+from osd_serve.distill.versions import VersionStore  # noqa: E402
+from tests.conftest import llama, perturbed  # noqa: E402
+from tests.test_distill import _prompts, _records  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    # Two logical GPUs: Ray schedules by them, nothing touches CUDA, so this runs on any CPU box.
+    ray.init(num_cpus=2, num_gpus=2, namespace=NAMESPACE, include_dashboard=False, ignore_reinit_error=True)
+    yield
+    ray.shutdown()
+
+
+@ray.remote(num_gpus=1, num_cpus=0)
+class _Serving:
+    """Stands in for a verifier replica holding one GPU."""
+
+    def ready(self):
+        return True
+
+
+@pytest.fixture(scope="module")
+def gpus_busy(cluster):
+    """Serving holds both logical GPUs (so a Train job must not ask for one: nothing here has CUDA)."""
+    holders = [_Serving.remote() for _ in range(2)]
+    ray.get([h.ready.remote() for h in holders])
+    yield
+    for h in holders:
+        ray.kill(h)
+
+
+def test_capacity_decision_uses_idle_gpus_and_spares_busy_cpus(cluster):
+    avail = ray.available_resources()
+    assert avail["GPU"] == 2
+    assert plan_workers(avail, serve_load=0.9) == {"num_workers": 2, "use_gpu": True}
+    assert plan_workers(avail, serve_load=0.1, max_workers=1) == {"num_workers": 1, "use_gpu": True}
+    one = _Serving.remote()
+    ray.get(one.ready.remote())
+    assert plan_workers(ray.available_resources(), serve_load=0.9) == {"num_workers": 1, "use_gpu": True}
+    two = _Serving.remote()
+    ray.get(two.ready.remote())
+    avail = ray.available_resources()
+    assert avail.get("GPU", 0) == 0
+    assert plan_workers(avail, serve_load=0.9) is None  # no GPU left and the CPUs are busy serving: wait
+    assert plan_workers(avail, serve_load=0.2) == {"num_workers": 4, "use_gpu": False, "cpus_per_worker": 0.5}  # 2 CPUs / 0.5
+    ray.kill(one)
+    ray.kill(two)
+
+
+@pytest.fixture(scope="module")
+def data(tok, tmp_path_factory):
+    target = llama(len(tok), seed=0)
+    draft = perturbed(target, 0.2)
+    d = tmp_path_factory.mktemp("draft")
+    draft.save_pretrained(d)
+    train, _ = _records(target, draft, tok, _prompts(len(tok), 24, 1))
+    held, _ = _records(target, draft, tok, _prompts(len(tok), 12, 2))
+    return draft, str(d), train, held, len(tok)
+
+
+def test_buffer_actor_keeps_refs_bounded_by_bytes(cluster, data):
+    _, _, train, _, _ = data
+    cap = sum(r.nbytes for r in train[:5])
+    buf = ReplayBufferActor.remote({"max_bytes": cap, "trigger_records": 3, "trigger_age_s": 3600})
+    for r in train[:8]:
+        ray.get(buf.add.remote("default", r, r.nbytes))
+    st = ray.get(buf.stats.remote())["default"]
+    assert st["bytes"] <= cap and st["seen"] == 8 and st["records"] < 8
+    assert ray.get(buf.due.remote()) == {"default": "size"}
+    refs = ray.get(buf.take.remote("default"))
+    got = ray.get(refs)
+    assert [g.response_ids.tolist() for g in got] == [r.response_ids.tolist() for r in train[8 - len(got) : 8]]  # FIFO
+    assert ray.get(buf.due.remote()) == {}
+
+
+def test_controller_trains_guards_and_publishes(cluster, gpus_busy, data, tmp_path):
+    _, path, train, held, _ = data
+    buf = ReplayBufferActor.options(name=BUFFER_NAME, get_if_exists=True).remote(
+        {"max_bytes": 1 << 30, "trigger_records": len(train) + len(held), "trigger_age_s": 3600})
+    ctl = DistillController.remote(path, str(tmp_path / "versions"), {"lr": 3e-3}, 40, max_workers=2, heldout=12)
+    for r in train + held:  # held last: the newest records are the guard's slice
+        ray.get(buf.add.remote("default", r, r.nbytes))
+    deadline = time.time() + 480  # a Ray Train run: placement group, 2 workers, checkpoint
+    events = []
+    while time.time() < deadline and not events:
+        events = [e for e in ray.get(ctl.history.remote()) if "published" in e or "error" in e]
+        time.sleep(1)
+    assert events and "error" not in events[0], events
+    ev = events[0]
+    assert ev["plan"]["use_gpu"] is False  # the GPUs are serving's
+    assert ev["published"], ev
+    store = VersionStore(tmp_path / "versions" / "default")
+    # the Train job (2 CPU workers, gradients all-reduced) raised held-out alpha-hat over the serving draft
+    assert store.refresh() == 1 and ev["candidate"]["expected_acceptance"] > ev["serving"]["expected_acceptance"] + 0.02
+    assert torch.is_tensor(next(iter(store.load(1).values())))
