@@ -25,8 +25,12 @@ class _Prometheus:
 
     def __init__(self) -> None:
         try:
+            import ray
             from ray.serve import metrics
         except ImportError:
+            self.ok = False
+            return
+        if not ray.is_initialized():  # outside a Ray worker: do not start a cluster just for counters
             self.ok = False
             return
         self.ok = True
