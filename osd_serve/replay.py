@@ -18,7 +18,7 @@ import random
 import sys
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -179,7 +179,8 @@ def replay(target, draft, tokenizer, stream: list[dict], out_dir: str, params: S
                          on_finish=lambda r, t: r is not None and static_records.append(r)))
         finish_run("static", *run_stream(eng, prompts, params, "static"))
 
-        offline = DistillTrainer(draft, train_cfg, vocab=eng.vocab)
+        # Distilled beforehand on the whole stream: uniform minibatches, no recency share.
+        offline = DistillTrainer(draft, replace(train_cfg, recent_fraction=0.0), vocab=eng.vocab)
         steps = offline_epochs * math.ceil(len(static_records) / train_cfg.batch_size)
         t0 = time.perf_counter()
         losses = offline.train(static_records, steps=steps, progress=True)
