@@ -24,7 +24,7 @@ def service(tok, tmp_path_factory):
     target = llama(len(tok), seed=3)
     tmp = tmp_path_factory.mktemp("svc")
     cfg = AppConfig(experts=[{"name": "default"}, {"name": "sql", "keywords": ["select"]}], num_speculative_tokens=3,
-                    distill={"trigger_records": 2, "versions_dir": str(tmp / "v"), "mode": "full"},
+                    distill={"trigger_records": 2, "versions_dir": str(tmp / "v"), "mode": "full", "keep_versions": 1000},  # none pruned mid-test
                     wandb={"mode": "offline", "dir": str(tmp / "wandb"), "log_every_s": 0.01},
                     api_key="sk-test", admin_key="admin-test")
     svc = SpecService(cfg, models=(target, perturbed(target, 0.05), tok))
