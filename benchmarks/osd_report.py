@@ -9,19 +9,13 @@ import json
 import sys
 from pathlib import Path
 
+from osd_serve.replay import rolling_mean
+
 STREAMS = ["gsm8k", "spider", "mbpp", "alpaca", "shift"]
 
 
 def _f(x, nd=3):
     return "-" if x is None else f"{x:.{nd}f}"
-
-
-def rolling(xs, w):
-    out = []
-    for i in range(len(xs)):
-        win = [v for v in xs[max(0, i - w + 1) : i + 1] if v is not None]
-        out.append(sum(win) / len(win) if win else 0.0)
-    return out
 
 
 def segments(sources):
@@ -51,7 +45,7 @@ def adaptation(result, run="online", window=10, frac=0.9):
         q = max(1, len(seg) // 4)
         plateau = _mean(seg[-q:])
         ref = _mean(off[a:b][-q:]) if off else None
-        roll = rolling(seg, window)
+        roll = rolling_mean(seg, window)
 
         def reach(level):
             return next((i + 1 for i, v in enumerate(roll) if i >= window - 1 and level and v >= frac * level), None)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import EngineConfig, SamplingParams
-from .kv import BatchKV
+from .kv import BatchKV, pad_right
 from .output import Completion, Request, StreamDelta
 from .spec import RowState, speculative_step
 
@@ -120,15 +120,10 @@ class SpecEngine:
             return
         dev, b = self.device, len(new)
         # Prefill all but the last prompt token: it is the first "last" token of the speculative loop.
-        width = max(len(r.prompt_ids) - 1 for r in new)
-        ids = torch.zeros(b, width, dtype=torch.long)
-        for i, r in enumerate(new):
-            ids[i, : len(r.prompt_ids) - 1] = torch.tensor(r.prompt_ids[:-1])
-        lens = torch.tensor([len(r.prompt_ids) - 1 for r in new])
-        valid = (torch.arange(width)[None, :] < lens[:, None]).to(dev)
-        ids = ids.to(dev)
+        ids, valid = pad_right([r.prompt_ids[:-1] for r in new])
+        ids, valid = ids.to(dev), valid.to(dev)
         tkv, dkv = BatchKV(self.target, b, dev), BatchKV(self.draft, b, dev)
-        if width:
+        if ids.shape[1]:
             tkv.forward(ids, valid)
             if any(r.params.num_speculative_tokens for r in new):  # k=0 rows never read the draft
                 dkv.forward(ids, valid)
@@ -226,15 +221,11 @@ class SpecEngine:
 
     def _refill_draft_cache(self) -> BatchKV:
         """A fresh draft cache holding what the invariant in spec.py says: positions 0..N-1-pending_n."""
-        seqs = [r.prompt_ids + r.output_ids for r in self.running]
-        lens = [len(s) - int(m) for s, m in zip(seqs, self._rows.pending_n.tolist())]
-        width = max(lens)
-        ids = torch.zeros(len(seqs), width, dtype=torch.long)
-        for i, (s, n) in enumerate(zip(seqs, lens)):
-            ids[i, :n] = torch.tensor(s[:n])
-        valid = torch.arange(width)[None, :] < torch.tensor(lens)[:, None]  # [B, W]
-        kv = BatchKV(self.draft, len(seqs), self.device)
-        if width:
+        pending = self._rows.pending_n.tolist()
+        ids, valid = pad_right([(r.prompt_ids + r.output_ids)[: len(r.prompt_ids) + len(r.output_ids) - m]
+                                for r, m in zip(self.running, pending)])  # [B, W]
+        kv = BatchKV(self.draft, len(pending), self.device)
+        if ids.shape[1]:
             kv.forward(ids.to(self.device), valid.to(self.device))
         return kv
 

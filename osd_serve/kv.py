@@ -126,6 +126,16 @@ class BatchKV:
         self.length = torch.cat([self.length, other.length])
 
 
+def pad_right(seqs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token sequences (lists or 1D tensors) as ids [B, W] int64 and valid [B, W] bool, right-padded."""
+    lens = torch.tensor([len(s) for s in seqs])
+    width = int(lens.max()) if len(seqs) else 0
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.as_tensor(s, dtype=torch.long)
+    return ids, torch.arange(width)[None, :] < lens[:, None]
+
+
 def _stack_rows(a: torch.Tensor | None, b: torch.Tensor | None, rows_a: int, rows_b: int, width: int) -> torch.Tensor:
     """Stack two [B, H, P, D] caches along the batch; a missing one (rows with no columns yet) is all holes."""
     ref = a if a is not None else b

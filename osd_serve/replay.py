@@ -111,6 +111,15 @@ def run_stream(engine: SpecEngine, prompts: list[str], params: SamplingParams, d
     return [traces[i] for i in ids], [outs[i] for i in ids], time.perf_counter() - t0
 
 
+def rolling_mean(xs: list[float | None], window: int) -> list[float]:
+    """Mean of the non-None values in each trailing window (0 where a window has none)."""
+    out = []
+    for i in range(len(xs)):
+        win = [v for v in xs[max(0, i - window + 1) : i + 1] if v is not None]
+        out.append(sum(win) / len(win) if win else 0.0)
+    return out
+
+
 def running_mean(xs: list[float | None]) -> list[float]:
     out, s, n = [], 0.0, 0
     for x in xs:
@@ -249,10 +258,8 @@ def plot_alpha(result: dict, path) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for name, run in result["runs"].items():
-        xs = [t["acceptance"] for t in run["per_request"]]
         w = 20  # a trailing window shows adaptation; the running mean alone hides it
-        roll = [sum(v for v in xs[max(0, i - w + 1) : i + 1] if v is not None) / max(1, sum(v is not None for v in xs[max(0, i - w + 1) : i + 1])) for i in range(len(xs))]
-        ax.plot(roll, label=f"{name} (window {w})")
+        ax.plot(rolling_mean([t["acceptance"] for t in run["per_request"]], w), label=f"{name} (window {w})")
     srcs = result["sources"]
     for i in range(1, len(srcs)):
         if srcs[i] != srcs[i - 1]:

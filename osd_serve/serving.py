@@ -97,8 +97,9 @@ class AsyncSpecServer:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(item, tuple):  # ("abort", request_id)
-                expert = self._owner.get(item[1])
+            if isinstance(item, tuple):  # ("abort", request_id): its caller has gone, so has its sink
+                expert = self._owner.pop(item[1], None)
+                self._sinks.pop(item[1], None)
                 if expert is not None:
                     self.engines[expert].abort(item[1])
                 continue
@@ -137,10 +138,6 @@ class AsyncSpecServer:
                         self.on_step(name, stats)
                     except Exception:  # noqa: BLE001  metrics must never stop serving
                         logging.getLogger(__name__).exception("on_step callback failed")
-            # aborted requests finish without a delta: forget their sinks too
-            for rid in [r for r, e in self._owner.items() if not self._is_live(e, r)]:
-                self._sinks.pop(rid, None)
-                self._owner.pop(rid, None)
 
     def _fail(self, name: str, eng: SpecEngine, err: Exception) -> None:
         """End every request of a failed engine with finish_reason 'error' and start it afresh."""
@@ -153,7 +150,3 @@ class AsyncSpecServer:
         fresh = SpecEngine(self.target, eng.draft, self.tokenizer, self.config, eng.recorder)
         fresh.draft_version = eng.draft_version
         self.engines = {**self.engines, name: fresh}
-
-    def _is_live(self, expert: str, rid: str) -> bool:
-        eng = self.engines[expert]
-        return any(r.request_id == rid for r in itertools.chain(eng.waiting, eng.running))

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kv import pad_right
 from .replay import ReplayRecord
 
 
@@ -45,12 +46,8 @@ def evaluate(model, records: list[ReplayRecord], vocab: int, batch: int = 16) ->
     overlap, agree, n = 0.0, 0, 0
     for i in range(0, len(records), batch):
         recs = records[i : i + batch]
-        seqs = [torch.cat([r.prompt_ids, r.response_ids]).long() for r in recs]
-        width = max(len(s) for s in seqs)
-        ids = torch.zeros(len(seqs), width, dtype=torch.long)
-        mask = torch.zeros(len(seqs), width, dtype=torch.long)
-        for j, s in enumerate(seqs):
-            ids[j, : len(s)], mask[j, : len(s)] = s, 1
+        ids, mask = pad_right([torch.cat([r.prompt_ids, r.response_ids]) for r in recs])
+        mask = mask.long()
         dev = next(model.parameters()).device
         logits = model(input_ids=ids.to(dev), attention_mask=mask.to(dev)).logits.float().cpu()  # [B, L, V']
         for j, r in enumerate(recs):

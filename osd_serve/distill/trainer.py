@@ -19,6 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kernels.fused_kl import chunked_forward_kl
+from ..kv import pad_right
 from .losses import LOSSES
 from .replay import ReplayRecord
 
@@ -114,14 +115,6 @@ class DistillTrainer:
         return {n: p.detach().clone() for n, p in self.student.named_parameters() if p.requires_grad}
 
     # ---- batches ---------------------------------------------------------------------------------
-    def _teacher_batch(self, recs: list[ReplayRecord]):
-        """Sequences [B, L], mask [B, L], and per kept position: (row, index) and teacher probs [N, V]."""
-        seqs = [torch.cat([r.prompt_ids, r.response_ids]).long() for r in recs]
-        rows = torch.cat([torch.full((len(r.positions),), i) for i, r in enumerate(recs)])
-        idx = torch.cat([_student_positions(r) for r in recs])
-        p = torch.cat([r.dense_probs(self.vocab) for r in recs])
-        return seqs, rows, idx, p
-
     @torch.no_grad()
     def _student_sampled(self, rec: ReplayRecord):
         """The student continues the prompt; the target scores every sampled position."""
@@ -148,11 +141,8 @@ class DistillTrainer:
             rows.append(torch.full((len(ix),), i))
             idx.append(ix)
             p.append(pr)
-        width = max(len(s) for s in seqs)
-        ids = torch.zeros(len(seqs), width, dtype=torch.long)
-        mask = torch.zeros(len(seqs), width, dtype=torch.long)
-        for i, s in enumerate(seqs):  # right padding: kept positions never attend to it
-            ids[i, : len(s)], mask[i, : len(s)] = s, 1
+        ids, mask = pad_right(seqs)  # right padding: kept positions never attend to it
+        mask = mask.long()
         logits = self.student(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits  # [B, L, V']
         rows_t, idx_t = torch.cat(rows).to(self.device), torch.cat(idx).to(self.device)
         student = logits[rows_t, idx_t, : self.vocab]  # [N, V]
