@@ -18,7 +18,8 @@ import torch
 
 from .config import EngineConfig, SamplingParams
 from .kv import BatchKV, pad_right
-from .output import Completion, Request, StreamDelta
+from .loading import max_positions
+from .output import Completion, Request, StreamDelta, check_prompt, eos_token_ids
 from .spec import RowState, speculative_step
 
 
@@ -45,11 +46,6 @@ class StepStats:
         return self.accepted / tested if tested else None
 
 
-def _max_len(model) -> int:
-    cfg = model.config
-    return getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 1 << 30
-
-
 class SpecEngine:
     def __init__(self, target, draft, tokenizer, config: EngineConfig | None = None, recorder=None):
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
@@ -62,10 +58,8 @@ class SpecEngine:
         self.config = config or EngineConfig()
         self.device = next(target.parameters()).device
         self.vocab = target.get_output_embeddings().weight.shape[0]
-        eos = getattr(target.generation_config, "eos_token_id", None)
-        eos = eos if eos is not None else tokenizer.eos_token_id
-        self.eos_ids: set[int] = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        self.max_model_len = min(self.config.max_model_len, _max_len(target), _max_len(draft))
+        self.eos_ids = eos_token_ids(target, tokenizer)
+        self.max_model_len = min(self.config.max_model_len, max_positions(target.config), max_positions(draft.config))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._target_kv = BatchKV(target, 0, self.device)
@@ -79,22 +73,7 @@ class SpecEngine:
         expert: str = "default",
     ) -> str:
         params = params or SamplingParams()
-        params.validate()
-        if isinstance(prompt, str):
-            text, ids = prompt, self.tokenizer.encode(prompt)
-        else:
-            ids = [int(t) for t in prompt]
-            text = self.tokenizer.decode(ids)
-        if not ids:
-            raise ValueError("prompt must contain at least one token")
-        if any(not 0 <= t < self.vocab for t in ids):
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab})")
-        budget = len(ids) + params.max_tokens + params.num_speculative_tokens
-        if budget > self.max_model_len:
-            raise ValueError(
-                f"prompt is too long: {len(ids)} prompt tokens + max_tokens {params.max_tokens} + "
-                f"num_speculative_tokens {params.num_speculative_tokens} exceeds max_model_len {self.max_model_len}"
-            )
+        text, ids = check_prompt(self.tokenizer, self.vocab, self.max_model_len, prompt, params)
         rid = request_id or f"req-{next(self._ids)}"
         gen = None
         if not params.greedy:

@@ -14,6 +14,8 @@ so no query row is ever fully masked.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers import DynamicCache
 
@@ -124,6 +126,54 @@ class BatchKV:
             self.cache = base
         self.col_pos = torch.cat([_pad_left(self.col_pos, width, -1), _pad_left(other.col_pos, width, -1)], dim=0)
         self.length = torch.cat([self.length, other.length])
+
+
+    @classmethod
+    def merge(cls, model, device: torch.device, parts: list["BatchKV"]) -> "BatchKV":
+        """One batch from many (rows in order), left-padding each to the widest with holes. One copy
+        per layer, however many parts: extend() pairwise would copy the growing batch each time.
+        A part with no cache yet (a sequence that was never fed) becomes a row of holes."""
+        out = cls(model, 0, device)
+        width = max((p.width for p in parts), default=0)
+        out.col_pos = torch.cat([_pad_left(p.col_pos, width, -1) for p in parts]) if parts else out.col_pos  # [B, P]
+        out.length = torch.cat([p.length for p in parts]) if parts else out.length  # [B]
+        ref = next((p.cache for p in parts if p.cache is not None and p._layers()[0].keys is not None), None)
+        if ref is None:
+            return out
+        out.cache = _copy_cache(ref)
+        for i, layer in enumerate(out.cache.layers):
+            k0 = ref.layers[i].keys  # [b, H, P, D] template for rows without a cache
+            keys, values = [], []
+            for p in parts:
+                if p.cache is None or p.cache.layers[i].keys is None:
+                    keys.append(k0.new_zeros(p.batch_size, k0.shape[1], width, k0.shape[3]))
+                    values.append(keys[-1])
+                else:
+                    keys.append(_pad_left(p.cache.layers[i].keys, width))
+                    values.append(_pad_left(p.cache.layers[i].values, width))
+            layer.keys, layer.values = torch.cat(keys), torch.cat(values)
+        return out
+
+    def split(self) -> list["BatchKV"]:
+        """One single-row BatchKV per row (views of this batch's tensors: no copy here)."""
+        rows = []
+        for i in range(self.batch_size):
+            kv = BatchKV(self.model, 0, self.col_pos.device)
+            kv.col_pos, kv.length = self.col_pos[i : i + 1], self.length[i : i + 1]
+            if self.cache is not None:
+                kv.cache = _copy_cache(self.cache)
+                for layer in kv.cache.layers:
+                    if layer.keys is not None:
+                        layer.keys, layer.values = layer.keys[i : i + 1], layer.values[i : i + 1]
+            rows.append(kv)
+        return rows
+
+
+def _copy_cache(cache: DynamicCache) -> DynamicCache:
+    """A new DynamicCache object with new layer objects that still point at the same tensors."""
+    new = copy.copy(cache)
+    new.layers = [copy.copy(layer) for layer in cache.layers]
+    return new
 
 
 def pad_right(seqs) -> tuple[torch.Tensor, torch.Tensor]:

@@ -84,6 +84,21 @@ def load_model(name: str, role: str, device: torch.device, dtype: torch.dtype, a
     return model.to(device).eval()
 
 
+def max_positions(config) -> int:
+    """The longest sequence a model's config allows (unbounded if it names no limit)."""
+    return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 1 << 30
+
+
+def pair_limits(target: str, draft: str, max_model_len: int) -> tuple[int, int]:
+    """(vocab, max_model_len) of a pair from its configs alone: what a process that runs neither model
+    (the router, a draft-only replica) needs to validate prompts and size the draft's logits."""
+    from transformers import AutoConfig
+
+    t, d = AutoConfig.from_pretrained(target), AutoConfig.from_pretrained(draft)
+    t, d = getattr(t, "text_config", t), getattr(d, "text_config", d)
+    return t.vocab_size, min(max_model_len, max_positions(t), max_positions(d))
+
+
 def check_same_vocab(target_tok, draft_tok) -> None:
     """Speculative decoding compares token ids: both models must use the same vocabulary."""
     tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()

@@ -9,6 +9,35 @@ import torch
 from .config import SamplingParams
 
 
+def check_prompt(tokenizer, vocab: int, max_model_len: int, prompt, params: SamplingParams) -> tuple[str, list[int]]:
+    """(text, ids) of a prompt given as text or token ids, or ValueError saying what is wrong with it."""
+    params.validate()
+    if isinstance(prompt, str):
+        text, ids = prompt, tokenizer.encode(prompt)
+    else:
+        ids = [int(t) for t in prompt]
+        text = tokenizer.decode(ids)
+    if not ids:
+        raise ValueError("prompt must contain at least one token")
+    if any(not 0 <= t < vocab for t in ids):
+        raise ValueError(f"prompt token ids must be in [0, {vocab})")
+    budget = len(ids) + params.max_tokens + params.num_speculative_tokens
+    if budget > max_model_len:
+        raise ValueError(
+            f"prompt is too long: {len(ids)} prompt tokens + max_tokens {params.max_tokens} + "
+            f"num_speculative_tokens {params.num_speculative_tokens} exceeds max_model_len {max_model_len}"
+        )
+    return text, ids
+
+
+def eos_token_ids(model_or_config, tokenizer) -> set[int]:
+    """The target's EOS ids: its generation_config's (one or a list), else the tokenizer's."""
+    gen = getattr(model_or_config, "generation_config", model_or_config)
+    eos = getattr(gen, "eos_token_id", None)
+    eos = eos if eos is not None else tokenizer.eos_token_id
+    return set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+
+
 @dataclass
 class Completion:
     """What a finished (or streaming) request returns. ``token_ids`` are generated ids only."""

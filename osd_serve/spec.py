@@ -24,8 +24,8 @@ class RowState:
     """Per-row tensors of the running batch, kept aligned with the rows of both caches."""
 
     last: torch.Tensor  # [B] int64  last token, pending for the target
-    pending: torch.Tensor  # [B, 2] int64  tokens not yet in the draft cache (right-padded)
-    pending_n: torch.Tensor  # [B] int64  how many of them are real (1 or 2)
+    pending: torch.Tensor  # [B, W] int64  tokens not yet in the draft cache (right-padded; W=2 in the engine)
+    pending_n: torch.Tensor  # [B] int64  how many of them are real (1 or 2 in the engine; any in disagg.py)
     k: torch.Tensor  # [B] int64  draft tokens per step for each row
     temperature: torch.Tensor  # [B] float32
     top_k: torch.Tensor  # [B] int64
@@ -61,14 +61,14 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _fit_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
+def fit_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
     """[B, T, V'] -> [B, T, vocab]. A draft with a smaller embedding never proposes the missing ids."""
     if logits.shape[-1] < vocab:
         return torch.nn.functional.pad(logits, (0, vocab - logits.shape[-1]), value=float("-inf"))
     return logits[..., :vocab]
 
 
-def _probs(logits: torch.Tensor, rows: RowState) -> torch.Tensor:
+def row_probs(logits: torch.Tensor, rows: RowState) -> torch.Tensor:
     """Process [B, T, V] logits with each row's params into [B, T, V] probs (same rule for p and q)."""
     b, t, vocab = logits.shape
     flat = logits.reshape(b * t, vocab)
@@ -88,14 +88,14 @@ def propose(draft: BatchKV, rows: RowState, k: int, vocab: int, u_draft: torch.T
     returns draft_tokens [B, k] int64, draft_probs [B, k, V] float32, draft_logits [B, k, V].
     """
     active = rows.k > 0  # [B] rows with k=0 never read their draft, so their cache is not fed
-    steps = torch.arange(2, device=rows.k.device)
-    inp, inp_valid = rows.pending, (steps[None, :] < rows.pending_n[:, None]) & active[:, None]  # [B, 2]
+    steps = torch.arange(rows.pending.shape[1], device=rows.k.device)
+    inp, inp_valid = rows.pending, (steps[None, :] < rows.pending_n[:, None]) & active[:, None]  # [B, W]
     tokens, probs, raw = [], [], []
     for j in range(k):
-        logits = _fit_vocab(draft.forward(inp, inp_valid), vocab)  # [B, T, V]
+        logits = fit_vocab(draft.forward(inp, inp_valid), vocab)  # [B, T, V]
         last = (inp_valid.long().sum(1) - 1).clamp_min(0)  # [B] index of each row's last real input
         raw.append(logits[torch.arange(len(last)), last])  # [B, V]
-        q = _probs(raw[-1][:, None], rows)[:, 0]  # [B, V]
+        q = row_probs(raw[-1][:, None], rows)[:, 0]  # [B, V]
         x = sample_from_probs(q, u_draft[:, j])  # [B]
         tokens.append(x)
         probs.append(q)
@@ -125,8 +125,8 @@ def speculative_step(
     # 2. verify: one target forward over [last, d_1..d_k]; positions past a row's own k are padding
     inp = torch.cat([rows.last[:, None], draft_tokens], 1)  # [B, k+1]
     inp_valid = torch.arange(k + 1, device=device)[None, :] <= rows.k[:, None]  # [B, k+1]
-    target_logits = _fit_vocab(target.forward(inp, inp_valid), vocab)  # [B, k+1, V]
-    target_probs = _probs(target_logits, rows)  # [B, k+1, V]
+    target_logits = fit_vocab(target.forward(inp, inp_valid), vocab)  # [B, k+1, V]
+    target_probs = row_probs(target_logits, rows)  # [B, k+1, V]
 
     # 3. accept (pure function in kernels/)
     tokens, num_accepted = verify(target_probs, draft_probs, draft_tokens, rows.k, u_verify)

@@ -1,0 +1,297 @@
+"""Disaggregated speculative decoding: draft and target on different workers, one call to each per
+speculation step. Ray-free: deployments/disagg.py wraps DraftWorker and TargetVerifier in Ray Serve
+deployments (a draft pool and a verifier, each batching across sequences); tests drive them directly.
+
+Why every call carries the sequence's whole token history: a worker keeps each sequence's KV cache
+(keyed by sequence id, so the router sends a sequence back to the worker that has it), but when a
+sequence lands on a worker without its cache (a new replica, an eviction, a restart) the worker
+recomputes it in the same forward. Affinity is an optimisation, never a correctness requirement.
+
+Draft-ahead: after answering, a draft worker keeps drafting while the target verifies, assuming all k
+proposals will be accepted and guessing the target's bonus token with its own. When the guess is
+right, the next proposal is already there. Any proposal keeps the output lossless; this one is a
+sample from the draft given the true prefix, drawn with uniforms independent of verification.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+import torch
+
+from kernels import verify
+
+from .engine import StepStats
+from .kv import BatchKV, pad_right
+from .output import Request, StreamDelta
+from .spec import RowState, fit_vocab, propose, row_probs
+
+_DRAFT, _AHEAD, _VERIFY = 1, 2, 3  # uniform streams: never share uniforms between these roles
+
+
+def uniforms(seed: int, stream: int, position: int, n: int) -> torch.Tensor:
+    """[n] uniforms that depend only on (seed, stream, position): any worker draws the same ones,
+    so a sequence that moves to another worker keeps its seeded output. Positions only grow."""
+    g = torch.Generator().manual_seed((seed * 0x9E3779B97F4A7C15 + stream * 0xBF58476D1CE4E5B9 + position) % (1 << 63))
+    return torch.rand(n, generator=g)
+
+
+@dataclass
+class Sampling:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class ProposeItem:
+    seq_id: str
+    history: list[int]  # prompt + output so far
+    k: int
+    sampling: Sampling
+
+
+@dataclass
+class Proposal:
+    tokens: list[int]  # [k]
+    probs: torch.Tensor | None  # [k, V] float32 draft distributions; None for greedy (one-hot of tokens)
+    ahead_hit: bool = False  # drafted ahead, during the previous verification
+
+
+@dataclass
+class VerifyItem:
+    seq_id: str
+    history: list[int]
+    draft: list[int]  # [k]
+    draft_probs: torch.Tensor | None  # [k, V], None for greedy
+    sampling: Sampling
+    expert: str = "default"
+
+
+@dataclass
+class Verdict:
+    tokens: list[int]  # accepted draft tokens, then one target token (correction or bonus)
+    accepted: int
+    recomputed: int  # history tokens this step fed because the worker lacked them (0 on a cache hit)
+
+
+def _lcp(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def _rows(items, pending: list[list[int]], device, ks: list[int]) -> RowState:
+    ids, valid = pad_right(pending)  # [B, W]
+    s = [it.sampling for it in items]
+    return RowState(
+        last=torch.tensor([p[-1] for p in pending], device=device),
+        pending=ids.to(device), pending_n=valid.sum(1).to(device), k=torch.tensor(ks, device=device),
+        temperature=torch.tensor([x.temperature for x in s], dtype=torch.float32, device=device),
+        top_k=torch.tensor([x.top_k for x in s], device=device),
+        top_p=torch.tensor([x.top_p for x in s], dtype=torch.float32, device=device),
+    )
+
+
+class SeqCaches:
+    """Each sequence's KV cache (and the tokens it holds), gathered into one batch per call.
+
+    The sequences of the last call stay merged (the slab): in steady state the same sequences come
+    back batch after batch, so no copy. When the set changes, the slab is split into per-sequence
+    rows (views) and the new set merged (one copy per layer)."""
+
+    def __init__(self, model, device: torch.device, max_seqs: int = 1024):
+        self.model, self.device, self.max_seqs = model, device, max_seqs
+        self.slab = BatchKV(model, 0, device)
+        self.slab_ids: list[str] = []
+        self.tokens: dict[str, list[int]] = {}  # seq id -> tokens its cache holds (positions 0..n-1)
+        self._rows: OrderedDict[str, BatchKV] = OrderedDict()  # detached rows, least recently used first
+
+    def gather(self, seq_ids: list[str], histories: list[list[int]]) -> tuple[BatchKV, list[list[int]]]:
+        """The batch for these sequences, each cache rolled back to the longest prefix it shares with
+        its history (leaving at least the last token to feed); returns it and what each row must feed."""
+        if seq_ids != self.slab_ids:
+            for sid, row in zip(self.slab_ids, self.slab.split()):
+                if sid in self.tokens:  # not released
+                    self._rows[sid] = row
+            parts = []
+            for sid in seq_ids:
+                row = self._rows.pop(sid, None)
+                if row is None:
+                    self.tokens[sid] = []
+                    row = BatchKV(self.model, 1, self.device)
+                parts.append(row)
+            self.slab, self.slab_ids = BatchKV.merge(self.model, self.device, parts), list(seq_ids)
+            while len(self._rows) > self.max_seqs:  # sequences whose client never came back
+                self.tokens.pop(self._rows.popitem(last=False)[0], None)
+        keep = [min(_lcp(self.tokens[s], h), len(h) - 1) for s, h in zip(seq_ids, histories)]
+        self.slab.truncate(torch.tensor(keep, device=self.device))
+        return self.slab, [h[n:] for h, n in zip(histories, keep)]
+
+    def set_tokens(self, seq_ids: list[str], tokens: list[list[int]]) -> None:
+        for sid, t in zip(seq_ids, tokens):
+            self.tokens[sid] = t
+
+    def release(self, seq_id: str) -> None:
+        """The sequence finished: forget it (its slab row goes at the next change of the batch)."""
+        self.tokens.pop(seq_id, None)
+        self._rows.pop(seq_id, None)
+
+
+class DraftWorker:
+    """Proposes k tokens for a batch of sequences, then drafts ahead (see the module docstring)."""
+
+    def __init__(self, draft, vocab: int, max_seqs: int = 1024, ahead: bool = True):
+        self.draft, self.vocab, self.ahead = draft, vocab, ahead
+        self.device = next(draft.parameters()).device
+        self.caches = SeqCaches(draft, self.device, max_seqs)
+        self._ahead: dict[str, tuple[list[int], Proposal]] = {}  # seq id -> (history it assumes, proposal)
+        self._last: tuple[list[ProposeItem], list[Proposal]] | None = None
+        self.hits = self.misses = 0
+
+    def propose(self, items: list[ProposeItem]) -> list[Proposal]:
+        out: list[Proposal | None] = [None] * len(items)
+        todo = []
+        for i, it in enumerate(items):
+            base, prop = self._ahead.pop(it.seq_id, (None, None))
+            if base == it.history and len(prop.tokens) == it.k:
+                out[i] = prop
+                self.hits += 1
+            elif it.k > 0:
+                todo.append(i)
+                self.misses += base is not None
+            else:
+                out[i] = Proposal([], None)
+        if todo:
+            run = [items[i] for i in todo]
+            for i, p in zip(todo, self._draft(run, [it.history for it in run], [it.k for it in run], _DRAFT)):
+                out[i] = p
+        # Draft ahead for every sequence that proposed, from drafting ahead or not.
+        live = [i for i, it in enumerate(items) if it.k > 0]
+        self._last = ([items[i] for i in live], [out[i] for i in live]) if live else None
+        return out
+
+    def draft_ahead(self) -> None:
+        """Draft k+1 more tokens for the sequences of the last propose(): a guess of the target's
+        bonus token, then the next step's k proposals. Runs while the target verifies."""
+        if not self.ahead or self._last is None:
+            return
+        items, props = self._last
+        self._last = None
+        histories = [it.history + p.tokens for it, p in zip(items, props)]
+        for it, h, p in zip(items, histories, self._draft(items, histories, [it.k + 1 for it in items], _AHEAD)):
+            probs = p.probs[1:] if p.probs is not None else None
+            self._ahead[it.seq_id] = (h + p.tokens[:1], Proposal(p.tokens[1:], probs, ahead_hit=True))
+
+    def _draft(self, items: list[ProposeItem], histories: list[list[int]], ks: list[int], stream: int) -> list[Proposal]:
+        ids = [it.seq_id for it in items]
+        kv, feeds = self.caches.gather(ids, histories)
+        rows = _rows(items, feeds, self.device, ks)
+        kmax = max(ks)
+        u = torch.stack([uniforms(it.sampling.seed, stream, len(it.history), kmax) for it in items]).to(self.device)  # [B, k]
+        tokens, probs, _ = propose(kv, rows, kmax, self.vocab, u)  # [B, k], [B, k, V]
+        tokens = tokens.tolist()
+        # The cache now holds the history and each row's first k_i - 1 proposals (the last is never fed).
+        self.caches.set_tokens(ids, [h + t[: n - 1] for h, t, n in zip(histories, tokens, ks)])
+        return [Proposal(t[:n], None if it.sampling.greedy else probs[i, :n].float().cpu())
+                for i, (it, t, n) in enumerate(zip(items, tokens, ks))]
+
+    def release(self, seq_id: str) -> None:
+        self.caches.release(seq_id)
+        self._ahead.pop(seq_id, None)
+
+
+class TargetVerifier:
+    """Scores every sequence's proposals in one target forward and applies the accept rule."""
+
+    def __init__(self, target, vocab: int, max_seqs: int = 1024):
+        self.target, self.vocab = target, vocab
+        self.device = next(target.parameters()).device
+        self.caches = SeqCaches(target, self.device, max_seqs)
+
+    def verify(self, items: list[VerifyItem]) -> tuple[list[Verdict], dict[str, StepStats]]:
+        t0 = time.perf_counter()
+        dev, b = self.device, len(items)
+        ids, hist = [it.seq_id for it in items], [it.history for it in items]
+        kv, feeds = self.caches.gather(ids, hist)
+        ks = [len(it.draft) for it in items]
+        kmax = max(ks)
+        inp, valid = pad_right([f + it.draft for f, it in zip(feeds, items)])  # [B, W]
+        logits = kv.forward(inp.to(dev), valid.to(dev))  # [B, W, V']
+        # Row i's last history token sits at len(feed_i) - 1; it and the k_i drafts after it are scored.
+        start = torch.tensor([len(f) - 1 for f in feeds], device=dev)  # [B]
+        pos = (start[:, None] + torch.arange(kmax + 1, device=dev)[None, :]).clamp_max(logits.shape[1] - 1)  # [B, k+1]
+        logits = fit_vocab(logits[torch.arange(b, device=dev)[:, None], pos], self.vocab)  # [B, k+1, V]
+        rows = _rows(items, [h[-1:] for h in hist], dev, ks)
+        p = row_probs(logits, rows)  # [B, k+1, V]
+        draft = torch.zeros(b, kmax, dtype=torch.long, device=dev)  # [B, k]
+        q = torch.zeros(b, kmax, self.vocab, device=dev)  # [B, k, V]
+        for i, it in enumerate(items):
+            if ks[i]:
+                draft[i, : ks[i]] = torch.tensor(it.draft, device=dev)
+                if it.draft_probs is None:  # greedy: the draft's distribution is one-hot at its token
+                    q[i, torch.arange(ks[i]), draft[i, : ks[i]]] = 1.0
+                else:
+                    q[i, : ks[i]] = it.draft_probs.to(dev, torch.float32)
+        u = torch.stack([uniforms(it.sampling.seed, _VERIFY, len(it.history), kmax + 1) for it in items]).to(dev)  # [B, k+1]
+        tokens, n_acc = verify(p, q, draft, rows.k, u)
+        n_acc_l, tokens = n_acc.tolist(), tokens.tolist()
+        # The cache keeps the history and the accepted drafts; the correction/bonus token is fed next step.
+        kv.truncate(torch.tensor([len(h) + a for h, a in zip(hist, n_acc_l)], device=dev))
+        self.caches.set_tokens(ids, [h + it.draft[:a] for h, it, a in zip(hist, items, n_acc_l)])
+        verdicts = [Verdict(t[: a + 1], a, len(f) - 1) for t, a, f in zip(tokens, n_acc_l, feeds)]
+        return verdicts, self._stats(items, verdicts, time.perf_counter() - t0)
+
+    @staticmethod
+    def _stats(items: list[VerifyItem], verdicts: list[Verdict], seconds: float) -> dict[str, StepStats]:
+        """One StepStats per expert in this batch (what telemetry.on_step takes)."""
+        out: dict[str, StepStats] = {}
+        for it, v in zip(items, verdicts):
+            k = len(it.draft)
+            st = out.setdefault(it.expert, StepStats(0, 0, 0, 0, [], [], 0, 0.0, seconds, 0.0))
+            st.accepted_per_position += [0] * (k - len(st.accepted_per_position))
+            st.proposed_per_position += [0] * (k - len(st.proposed_per_position))
+            st.batch_size += 1
+            st.proposed += k
+            st.accepted += v.accepted
+            st.rejected += v.accepted < k
+            st.emitted += len(v.tokens)
+            for j in range(k):
+                st.proposed_per_position[j] += 1
+                st.accepted_per_position[j] += j < v.accepted
+        return out
+
+    def release(self, seq_id: str) -> None:
+        self.caches.release(seq_id)
+
+
+async def run_request(
+    req: Request, seed: int, tokenizer, eos_ids: set[int],
+    propose_fn: Callable[[ProposeItem], Awaitable[Proposal]],
+    verify_fn: Callable[[VerifyItem], Awaitable[Verdict]],
+) -> AsyncIterator[StreamDelta]:
+    """Drive one request: propose, verify, append, until it stops. Yields deltas as tokens are accepted."""
+    p = req.params
+    s = Sampling(p.temperature, p.top_k, p.top_p, seed)
+    while not req.finished:
+        history = req.prompt_ids + req.output_ids
+        k = p.num_speculative_tokens
+        prop = await propose_fn(ProposeItem(req.request_id, history, k, s)) if k else Proposal([], None)
+        v = await verify_fn(VerifyItem(req.request_id, history, prop.tokens, prop.probs, s, req.expert))
+        req.proposed += k
+        req.accepted += v.accepted
+        req.steps += 1
+        req.append(v.tokens, tokenizer, eos_ids)
+        d = req.delta()
+        if d.token_ids or d.text or d.finished:
+            yield d
