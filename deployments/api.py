@@ -47,10 +47,13 @@ def make_app(backend, cfg: AppConfig) -> FastAPI:
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
-        path = request.url.path
-        if path.startswith("/v1") and not _authorized(request, cfg.api_key):
+        # Deny by default, and match path segments, not a prefix: the app may be mounted under any
+        # route_prefix (e.g. /disagg/v1/...), and only /health is open.
+        parts = request.url.path.rstrip("/").split("/")
+        admin = "admin" in parts
+        if not admin and parts[-1] != "health" and not _authorized(request, cfg.api_key):
             return JSONResponse(RequestError("missing or wrong API key (Authorization: Bearer ...)", None, 401).body(), 401)
-        if path.startswith("/admin"):
+        if admin:
             if cfg.admin_key is None:  # admin routes exist only when an admin key is configured
                 return JSONResponse({"error": {"message": "admin routes are disabled", "type": "not_found"}}, 404)
             if not _authorized(request, cfg.admin_key):
@@ -134,7 +137,10 @@ def make_app(backend, cfg: AppConfig) -> FastAPI:
     @app.post("/admin/experts/{expert}/update")
     async def admin_update(expert: str):
         _known(expert)
-        return await backend.admin_update(expert)
+        try:
+            return await backend.admin_update(expert)
+        except ValueError as e:
+            raise RequestError(str(e), "expert") from None
 
     def _known(expert: str) -> None:
         if expert not in backend.experts():

@@ -143,15 +143,25 @@ class _HandleBackend:
 
 def build_app(args: dict | None = None):
     """The application builder named in serve_config.yaml (import_path: deployments.app:build_app)."""
-    cfg = parse_config(args)
-    if cfg.topology != "colocated":
-        raise ValueError("topology: only 'colocated' is implemented so far (disaggregated is planned)")
-    # The FastAPI app needs the config (auth, classifier) now; the backend finds the SpecServer
-    # handle itself, in the replica.
-    @serve.deployment(name="Router", max_ongoing_requests=256)
-    @serve.ingress(make_app(_HandleBackend([e.name for e in cfg.experts]), cfg))
-    class Router:
-        def __init__(self, server: DeploymentHandle):
-            self.server = server  # binding SpecServer here is what deploys it with the app
+    from osd_serve.service import model_paths
 
-    return Router.bind(SpecServer.bind(cfg.model_dump()))
+    cfg = parse_config(args)
+    # Build the embedded default pair here, in the `serve run` process, so its progress shows in the
+    # user's terminal; replicas then find it cached (or build it on another node's disk).
+    model_paths(cfg)
+    if cfg.topology == "disaggregated":
+        from .disagg import DisaggBackend, DraftPool, Verifier
+
+        backend, parts = DisaggBackend(cfg), (DraftPool.bind(cfg.model_dump()), Verifier.bind(cfg.model_dump()))
+    else:
+        backend, parts = _HandleBackend([e.name for e in cfg.experts]), (SpecServer.bind(cfg.model_dump()),)
+
+    # The FastAPI app needs the config (auth, classifier) now; the backend finds its handles itself,
+    # in the replica.
+    @serve.deployment(name="Router", max_ongoing_requests=256)
+    @serve.ingress(make_app(backend, cfg))
+    class Router:
+        def __init__(self, *deployments: DeploymentHandle):
+            self.deployments = deployments  # binding them here is what deploys them with the app
+
+    return Router.bind(*parts)

@@ -37,7 +37,9 @@ class DistillConfig(_Strict):
     trigger_age_s: float = Field(60.0, gt=0)
     steps_per_update: int = Field(16, ge=1)
     lr: float = Field(1e-3, gt=0, lt=1)
-    keep: Literal["mismatch", "all"] = "all"
+    # Record the target's distribution where the draft was rejected (the paper's choice), or everywhere.
+    # mismatch measured as good for α at under a third of the bytes (benchmarks/OSD.md).
+    keep: Literal["mismatch", "all"] = "mismatch"
     buffer_mb: int = Field(256, ge=1)
     versions_dir: str = "~/.cache/osd-serve/versions"
     keep_versions: int = Field(5, ge=1)
@@ -56,7 +58,11 @@ class AppConfig(_Strict):
     draft: str | None = None
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = "auto"
+    # colocated: draft and target in one replica (lowest latency per request). disaggregated: a draft
+    # pool and a target verifier as separate deployments, one call each per speculation step.
     topology: Literal["colocated", "disaggregated"] = "colocated"
+    draft_ahead: bool = True  # disaggregated: draft the next step while the target verifies this one
+    batch_wait_timeout_s: float = Field(0.002, ge=0, le=1)  # disaggregated: @serve.batch's wait for a fuller batch
     experts: list[ExpertConfig] = [ExpertConfig(name="default")]
     default_expert: str = "default"
     max_batch_size: int = Field(8, ge=1, le=256)
@@ -86,6 +92,9 @@ class AppConfig(_Strict):
             raise ValueError(f"experts: names must be unique, got {names}")
         if self.default_expert not in names:
             raise ValueError(f"default_expert: {self.default_expert!r} is not one of the experts {names}")
+        if self.topology == "disaggregated" and self.distill.enabled:
+            raise ValueError("distill.enabled: online distillation runs in the colocated topology only so far; "
+                             "set distill.enabled: false with topology: disaggregated")
         self.api_key = self.api_key or os.environ.get("OSD_API_KEY") or None
         self.admin_key = self.admin_key or os.environ.get("OSD_ADMIN_KEY") or None
         return self

@@ -168,7 +168,7 @@ def _replay_args(r: argparse.ArgumentParser) -> None:
     r.add_argument("--trigger-age-s", type=float, default=30.0, help="...or when the oldest new record is this old")
     r.add_argument("--buffer-mb", type=int, default=256)
     r.add_argument("--eviction", choices=["fifo", "reservoir"], default="fifo")
-    r.add_argument("--keep", choices=["mismatch", "all"], default="all", help="positions recorded: draft errors only, or all verified")
+    r.add_argument("--keep", choices=["mismatch", "all"], default="mismatch", help="positions recorded: where the draft was rejected (default; as good for α at a third of the bytes, benchmarks/OSD.md), or all verified")
     r.add_argument("--topk", type=int, default=0, help="store top-k target probs + rest mass (0: full distribution)")
     r.add_argument("--loss", choices=["forward_kl", "reverse_kl", "jsd", "tvd"], default="forward_kl")
     r.add_argument("--beta", type=float, default=0.5, help="JSD beta")

@@ -108,6 +108,21 @@ def test_invalid_json_and_auth(client):
     assert client.get("/admin/experts", headers={"Authorization": "Bearer admin-test"}).json()["experts"].keys() == {"default", "sql"}
 
 
+def test_auth_holds_under_a_route_prefix(client):
+    """Mounted under a prefix (as route_prefix: /disagg does), /v1 and /admin still need their keys."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    outer = FastAPI()
+    outer.mount("/disagg", client.app)
+    c = TestClient(outer)
+    assert c.post("/disagg/v1/completions", json={"prompt": "x"}).status_code == 401
+    assert c.get("/disagg/v1/models").status_code == 401
+    assert c.get("/disagg/admin/experts", headers=AUTH).status_code == 401
+    assert c.get("/disagg/health").status_code == 200
+    assert c.post("/disagg/v1/completions", headers=AUTH, json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
 def test_admin_routes_are_off_without_an_admin_key(service):
     svc, _, cfg, _ = service
     c = TestClient(make_app(svc, cfg.model_copy(update={"admin_key": None})))

@@ -51,6 +51,15 @@ def server(tmp_path_factory):
     for d in app["deployments"]:  # a 2-core CI machine: one small replica each
         d["autoscaling_config"] = {"min_replicas": 1, "max_replicas": 1}
         d["ray_actor_options"] = {"num_cpus": 0.5}
+    # The disaggregated topology as a second application in the same cluster, under /disagg.
+    dis = yaml.safe_load((ROOT / "serve_config.disaggregated.yaml").read_text())["applications"][0]
+    dis["args"].update(target=str(tmp / "target"), draft=str(tmp / "draft"), api_key=KEY, admin_key=ADMIN,
+                       num_speculative_tokens=3, wandb=app["args"]["wandb"])
+    dis.update(name="disagg", route_prefix="/disagg")
+    for d in dis["deployments"]:
+        d["autoscaling_config"] = {"min_replicas": 1, "max_replicas": 1}
+        d["ray_actor_options"] = {"num_cpus": 0.25}
+    cfg["applications"].append(dis)
     path = tmp / "serve_config.yaml"
     path.write_text(yaml.safe_dump(cfg))
     # A busy 2-core machine answers health checks slowly: the proxy must not be killed for it.
@@ -63,10 +72,11 @@ def server(tmp_path_factory):
     deadline = time.time() + 300
     while time.time() < deadline:
         try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                r = httpx.post(f"{base}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
-                               json={"prompt": "x", "max_tokens": 1}, timeout=30)
-                if r.status_code == 200:
+            if httpx.get(f"{base}/disagg/health", timeout=2).status_code == 200:
+                ok = [httpx.post(f"{base}{prefix}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                                 json={"prompt": "x", "max_tokens": 1}, timeout=30).status_code == 200
+                      for prefix in ("", "/disagg")]
+                if all(ok):
                     break
         except httpx.HTTPError:
             pass
@@ -92,9 +102,10 @@ def _greedy(target, tok, prompt, n):
     return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 
-def test_concurrent_openai_requests_equal_target_greedy(server):
+@pytest.mark.parametrize("prefix", ["", "/disagg"], ids=["colocated", "disaggregated"])
+def test_concurrent_openai_requests_equal_target_greedy(server, prefix):
     base, target, tok, _ = server
-    client = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY)
+    client = openai.OpenAI(base_url=f"{base}{prefix}/v1", api_key=KEY)
 
     def one(i):
         p = PROMPTS[i % len(PROMPTS)]
@@ -111,8 +122,10 @@ def test_concurrent_openai_requests_equal_target_greedy(server):
     assert chat.choices[0].message.content == _greedy(target, tok, "user: hi\nassistant:", 5)
 
 
-def test_bad_requests_get_400_and_401_and_the_service_stays_up(server):
+@pytest.mark.parametrize("prefix", ["", "/disagg"], ids=["colocated", "disaggregated"])
+def test_bad_requests_get_400_and_401_and_the_service_stays_up(server, prefix):
     base, *_ = server
+    base += prefix
     h = {"Authorization": f"Bearer {KEY}"}
     assert httpx.post(f"{base}/v1/completions", json={"prompt": "x"}).status_code == 401
     for body, param in [({"prompt": "x", "max_tokens": -1}, "max_tokens"), ({"prompt": "x" * 5000}, "prompt"),
@@ -127,8 +140,10 @@ def _experts(base):
     return httpx.get(f"{base}/admin/experts", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30).json()["experts"]
 
 
-def test_a_client_disconnect_frees_its_sequence(server):
+@pytest.mark.parametrize("prefix", ["", "/disagg"], ids=["colocated", "disaggregated"])
+def test_a_client_disconnect_frees_its_sequence(server, prefix):
     base, *_ = server
+    base += prefix
     with httpx.stream("POST", f"{base}/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
                       json={"prompt": "def g(", "max_tokens": 1500, "temperature": 0, "stream": True, "ignore_eos": True,
                             "expert": "default"}) as r:

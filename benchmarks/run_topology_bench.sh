@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Colocated against disaggregated on the same workload, in one run: both applications of the
+# embedded default pair are served by one `serve run` (colocated at /, disaggregated at /disagg),
+# online distillation off in both so the comparison is of the serving paths alone, and each is
+# benchmarked in turn (the idle one sleeps) at concurrency 1/4/16, k=4 against k=0.
+# Usage: bash benchmarks/run_topology_bench.sh [extra http_bench.py args, e.g. --trace azure]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OSD_RESULTS:-benchmarks/results}
+TMP=$(mktemp -d)
+python - "$TMP/serve.yaml" <<'PY'
+import sys, yaml
+co = yaml.safe_load(open("serve_config.yaml"))
+dis = yaml.safe_load(open("serve_config.disaggregated.yaml"))["applications"][0]
+co["applications"][0]["args"]["distill"] = {"enabled": False}
+dis.update(name="disagg", route_prefix="/disagg")
+for app in (co["applications"][0], dis):
+    app["args"]["wandb"] = {"mode": "disabled"}
+    for d in app["deployments"]:  # one replica each: the comparison is of topologies, not of autoscaling
+        d["autoscaling_config"] = {"min_replicas": 1, "max_replicas": 1}
+co["applications"].append(dis)
+yaml.safe_dump(co, open(sys.argv[1], "w"))
+PY
+serve run "$TMP/serve.yaml" > "$TMP/serve.log" 2>&1 &
+SERVE=$!
+trap 'kill $SERVE 2>/dev/null; sleep 5; ray stop --force >/dev/null 2>&1 || true' EXIT
+for _ in $(seq 1 900); do curl -sf localhost:8000/disagg/health >/dev/null && curl -sf localhost:8000/health >/dev/null && break; sleep 2; done
+python benchmarks/http_bench.py --url http://127.0.0.1:8000 --out "$TMP/colocated.json" "$@"
+python benchmarks/http_bench.py --url http://127.0.0.1:8000/disagg --out "$TMP/disaggregated.json" "$@"
+python benchmarks/topology_report.py "$TMP/colocated.json" "$TMP/disaggregated.json" "$OUT/topology_bench.json"

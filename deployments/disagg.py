@@ -1,0 +1,207 @@
+"""The disaggregated topology (`topology: disaggregated`): thin Ray Serve wrappers over osd_serve/disagg.py.
+
+  DraftPool  the base draft, one DraftWorker per expert (its LoRA merged), loaded through Ray Serve
+             model multiplexing (model id = expert, so an expert's calls go to replicas holding it);
+             @serve.batch batches proposals across sequences (Serve splits batches by model id).
+             After answering, it drafts ahead while the verifier works.
+  Verifier   the target; @serve.batch verifies many sequences in one forward. Routed by Ray Serve's
+             consistent-hash request router on session_id = sequence id, so a sequence returns to
+             the replica holding its KV cache; if it does not (scale-up, failover), it is recomputed.
+  The Router (deployments/app.py) drives each request: one propose and one verify call per step.
+
+One executor thread per replica runs all torch work in order: a proposal queued behind a draft-ahead
+waits for it, and the event loop stays free for Serve's batching and routing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+from ray import serve
+
+from osd_serve.config import SamplingParams
+from osd_serve.disagg import DraftWorker, ProposeItem, Proposal, TargetVerifier, Verdict, VerifyItem, run_request
+from osd_serve.output import Request
+
+from .config import AppConfig
+
+CONSISTENT_HASH = "ray.serve.experimental.consistent_hash_router.ConsistentHashRouter"
+
+
+def _load(cfg: AppConfig, role: str):
+    """(model of that role, vocab, max_model_len), the pair built first if it is the default."""
+    from osd_serve.loading import ModelConfig, load_model, pair_limits
+    from osd_serve.service import model_paths
+
+    target, draft = model_paths(cfg)
+    mc = ModelConfig(target=target, draft=draft, dtype=cfg.dtype, device=cfg.device)
+    vocab, max_len = pair_limits(target, draft, cfg.max_model_len)
+    return load_model(target if role == "target" else draft, role, mc.resolved_device(), mc.resolved_dtype()), vocab, max_len
+
+
+class _Batched:
+    """Applies the config's batch size and wait to a replica's @serve.batch method."""
+
+    def _configure(self, method, cfg: AppConfig) -> None:
+        method.set_max_batch_size(cfg.max_batch_size)
+        method.set_batch_wait_timeout_s(cfg.batch_wait_timeout_s)
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="osd-torch")
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+
+@serve.deployment(name="DraftPool", max_ongoing_requests=256)
+class DraftPool(_Batched):
+    def __init__(self, cfg: dict):
+        self.cfg = AppConfig.model_validate(cfg)
+        self.base, self.vocab, _ = _load(self.cfg, "draft")
+        self.adapters = {e.name: e.adapter for e in self.cfg.experts}
+        self.workers: dict[str, DraftWorker] = {}
+        self._configure(self.propose, self.cfg)
+
+    @serve.multiplexed(max_num_models_per_replica=64)
+    async def get_worker(self, expert: str) -> DraftWorker:
+        from osd_serve.service import expert_draft
+
+        if expert not in self.adapters:
+            raise ValueError(f"expert: unknown expert {expert!r}")
+        draft = await self._run(expert_draft, self.base, self.adapters[expert])
+        self.workers[expert] = DraftWorker(draft, self.vocab, ahead=self.cfg.draft_ahead)
+        return self.workers[expert]
+
+    @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.002)
+    async def propose(self, items: list[ProposeItem]) -> list[Proposal]:
+        worker = await self.get_worker(serve.get_multiplexed_model_id())
+        out = await self._run(worker.propose, items)
+        asyncio.get_running_loop().run_in_executor(self.pool, worker.draft_ahead)  # overlaps verification
+        return out
+
+    async def release(self, seq_id: str) -> None:
+        worker = await self.get_worker(serve.get_multiplexed_model_id())
+        await self._run(worker.release, seq_id)
+
+    def stats(self) -> dict:
+        """How often drafting ahead paid off (a proposal ready when asked) on this replica."""
+        return {"ahead_hits": sum(w.hits for w in self.workers.values()),
+                "ahead_misses": sum(w.misses for w in self.workers.values())}
+
+
+@serve.deployment(name="Verifier", max_ongoing_requests=256,
+                  request_router_config={"request_router_class": CONSISTENT_HASH})
+class Verifier(_Batched):
+    def __init__(self, cfg: dict):
+        from osd_serve.telemetry import Telemetry
+
+        self.cfg = AppConfig.model_validate(cfg)
+        target, vocab, _ = _load(self.cfg, "target")
+        self.core = TargetVerifier(target, vocab)
+        w = self.cfg.wandb
+        tag = serve.get_replica_context().replica_id.unique_id
+        self.telemetry = Telemetry(w.mode, w.project, w.dir, w.log_every_s,
+                                   config=self.cfg.model_dump(exclude={"api_key", "admin_key"}), name=f"osd-verifier-{tag}")
+        self.recomputed = 0
+        self.live: dict[str, str] = {}  # sequence id -> expert, until released
+        self._configure(self.verify, self.cfg)
+
+    @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.002)
+    async def verify(self, items: list[VerifyItem]) -> list[Verdict]:
+        verdicts, stats = await self._run(self.core.verify, items)
+        self.recomputed += sum(v.recomputed for v in verdicts)
+        self.live.update((it.seq_id, it.expert) for it in items)
+        for expert, st in stats.items():
+            self.telemetry.on_step(expert, st)
+        return verdicts
+
+    async def release(self, seq_id: str, expert: str, latency_s: float) -> None:
+        self.telemetry.on_request(expert, latency_s)
+        self.live.pop(seq_id, None)
+        await self._run(self.core.release, seq_id)
+
+    def metrics(self) -> dict:
+        self.telemetry.maybe_log()
+        return {"history": self.telemetry.history[-500:], "recomputed_tokens": self.recomputed}
+
+    def running(self) -> dict[str, int]:
+        """Sequences holding a KV cache on this replica, per expert."""
+        out: dict[str, int] = {}
+        for e in self.live.values():
+            out[e] = out.get(e, 0) + 1
+        return out
+
+
+class DisaggBackend:
+    """The api.py backend interface, driving requests across DraftPool and Verifier."""
+
+    def __init__(self, cfg: AppConfig):
+        self.cfg = cfg
+        self._ready = False
+
+    def _setup(self) -> None:
+        # In the Router replica, on first use (this object is pickled with the FastAPI app).
+        from transformers import GenerationConfig
+
+        from osd_serve.loading import load_tokenizer, pair_limits
+        from osd_serve.output import eos_token_ids
+        from osd_serve.service import model_paths
+
+        target, draft = model_paths(self.cfg)
+        self.tokenizer = load_tokenizer(target)
+        self.vocab, self.max_len = pair_limits(target, draft, self.cfg.max_model_len)
+        try:
+            gen = GenerationConfig.from_pretrained(target)
+        except OSError:
+            gen = None
+        self.eos = eos_token_ids(gen, self.tokenizer)
+        app = serve.get_replica_context().app_name
+        self.drafts = serve.get_deployment_handle("DraftPool", app)
+        self.verifier = serve.get_deployment_handle("Verifier", app)
+        self._ready = True
+
+    def experts(self) -> list[str]:
+        return [e.name for e in self.cfg.experts]
+
+    async def stream(self, expert: str, prompt, params: SamplingParams):
+        from osd_serve.output import check_prompt
+        from osd_serve.protocol import render_chat
+
+        if not self._ready:
+            self._setup()
+        t0 = time.perf_counter()
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            prompt = render_chat(prompt, self.tokenizer)
+        text, ids = check_prompt(self.tokenizer, self.vocab, self.max_len, prompt, params)
+        req = Request(f"seq-{uuid.uuid4().hex}", text, ids, params, None, expert=expert)
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        drafts = self.drafts.options(multiplexed_model_id=expert)
+        verifier = self.verifier.options(session_id=req.request_id)
+        try:
+            async for d in run_request(req, seed, self.tokenizer, self.eos, drafts.propose.remote, verifier.verify.remote):
+                yield {"text": d.text, "token_ids": d.token_ids, "finished": d.finished, "finish_reason": d.finish_reason,
+                       "prompt_tokens": len(ids)}
+        finally:  # finished, failed or the client went away: free the sequence on both sides, without waiting
+            drafts.release.remote(req.request_id)
+            verifier.release.remote(req.request_id, expert, time.perf_counter() - t0)
+
+    async def admin_experts(self):
+        # Verifier replicas are not addressable one by one through a handle; this asks one of them
+        # (all of them when there is a single replica, the default).
+        if not self._ready:
+            self._setup()
+        running = await self.verifier.running.remote()
+        return {"experts": {e: {"topology": "disaggregated", "running": running.get(e, 0)} for e in self.experts()}}
+
+    async def admin_metrics(self):
+        if not self._ready:
+            self._setup()
+        return await self.verifier.metrics.remote()
+
+    async def admin_rollback(self, expert, to):
+        raise ValueError("rollback: online distillation runs in the colocated topology only so far")
+
+    async def admin_update(self, expert):
+        raise ValueError("update: online distillation runs in the colocated topology only so far")
