@@ -14,17 +14,23 @@ co = yaml.safe_load(open("serve_config.yaml"))
 dis = yaml.safe_load(open("serve_config.disaggregated.yaml"))["applications"][0]
 co["applications"][0]["args"]["distill"] = {"enabled": False}
 dis.update(name="disagg", route_prefix="/disagg")
+# One replica each (topologies, not autoscaling, are compared), and CPU shares that let both apps
+# be scheduled on a 2-core machine: Ray gives each replica one torch thread either way, so the
+# colocated replica computes on one core and the disaggregated pair on up to two (one per process).
+cpus = {"Router": 0, "SpecServer": 1, "DraftPool": 0.5, "Verifier": 0.5}
 for app in (co["applications"][0], dis):
     app["args"]["wandb"] = {"mode": "disabled"}
-    for d in app["deployments"]:  # one replica each: the comparison is of topologies, not of autoscaling
+    for d in app["deployments"]:
         d["autoscaling_config"] = {"min_replicas": 1, "max_replicas": 1}
+        d["ray_actor_options"] = {"num_cpus": cpus[d["name"]]}
 co["applications"].append(dis)
 yaml.safe_dump(co, open(sys.argv[1], "w"))
 PY
 serve run "$TMP/serve.yaml" > "$TMP/serve.log" 2>&1 &
 SERVE=$!
 trap 'kill $SERVE 2>/dev/null; sleep 5; ray stop --force >/dev/null 2>&1 || true' EXIT
-for _ in $(seq 1 900); do curl -sf localhost:8000/disagg/health >/dev/null && curl -sf localhost:8000/health >/dev/null && break; sleep 2; done
+ready() { curl -sf -m 60 localhost:8000$1/v1/completions -H 'Content-Type: application/json' -d '{"prompt": "x", "max_tokens": 1}' >/dev/null; }
+for _ in $(seq 1 900); do ready "" && ready /disagg && break; sleep 2; done
 python benchmarks/http_bench.py --url http://127.0.0.1:8000 --out "$TMP/colocated.json" "$@"
 python benchmarks/http_bench.py --url http://127.0.0.1:8000/disagg --out "$TMP/disaggregated.json" "$@"
 python benchmarks/topology_report.py "$TMP/colocated.json" "$TMP/disaggregated.json" "$OUT/topology_bench.json"
