@@ -61,7 +61,6 @@ class DraftPool(_Batched):
         self.cfg = AppConfig.model_validate(cfg)
         self.base, self.vocab, _ = _load(self.cfg, "draft")
         self.adapters = {e.name: e.adapter for e in self.cfg.experts}
-        self.workers: dict[str, DraftWorker] = {}
         self._configure(self.propose, self.cfg)
 
     @serve.multiplexed(max_num_models_per_replica=64)
@@ -71,8 +70,7 @@ class DraftPool(_Batched):
         if expert not in self.adapters:
             raise ValueError(f"expert: unknown expert {expert!r}")
         draft = await self._run(expert_draft, self.base, self.adapters[expert])
-        self.workers[expert] = DraftWorker(draft, self.vocab, ahead=self.cfg.draft_ahead)
-        return self.workers[expert]
+        return DraftWorker(draft, self.vocab, ahead=self.cfg.draft_ahead)
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.002)
     async def propose(self, items: list[ProposeItem]) -> list[Proposal]:
@@ -84,11 +82,6 @@ class DraftPool(_Batched):
     async def release(self, seq_id: str) -> None:
         worker = await self.get_worker(serve.get_multiplexed_model_id())
         await self._run(worker.release, seq_id)
-
-    def stats(self) -> dict:
-        """How often drafting ahead paid off (a proposal ready when asked) on this replica."""
-        return {"ahead_hits": sum(w.hits for w in self.workers.values()),
-                "ahead_misses": sum(w.misses for w in self.workers.values())}
 
 
 @serve.deployment(name="Verifier", max_ongoing_requests=256,

@@ -63,7 +63,6 @@ class ProposeItem:
 class Proposal:
     tokens: list[int]  # [k]
     probs: torch.Tensor | None  # [k, V] float32 draft distributions; None for greedy (one-hot of tokens)
-    ahead_hit: bool = False  # drafted ahead, during the previous verification
 
 
 @dataclass
@@ -191,7 +190,7 @@ class DraftWorker:
         histories = [it.history + p.tokens for it, p in zip(items, props)]
         for it, h, p in zip(items, histories, self._draft(items, histories, [it.k + 1 for it in items], _AHEAD)):
             probs = p.probs[1:] if p.probs is not None else None
-            self._ahead[it.seq_id] = (h + p.tokens[:1], Proposal(p.tokens[1:], probs, ahead_hit=True))
+            self._ahead[it.seq_id] = (h + p.tokens[:1], Proposal(p.tokens[1:], probs))
 
     def _draft(self, items: list[ProposeItem], histories: list[list[int]], ks: list[int], stream: int) -> list[Proposal]:
         ids = [it.seq_id for it in items]

@@ -15,7 +15,7 @@ from osd_serve.config import SamplingParams
 from osd_serve.disagg import DraftWorker, TargetVerifier, run_request
 from osd_serve.output import Request
 from tests.conftest import llama
-from tests.test_engine import MAX_TOKENS, NEAR_TIE, _first_gap, _hf_greedy, _prompts
+from tests.test_engine import MAX_TOKENS, _hf_greedy, _prompts, count_mismatches
 from tests.test_sampling_e2e import PROMPT, V, _chi2, _chi2_critical, _exact, _IdTokenizer
 
 
@@ -93,14 +93,7 @@ def test_greedy_equals_target_with_moves_between_workers(pair, tok, k):
     refs = [_hf_greedy(target, p, MAX_TOKENS) for p in prompts]
     params = SamplingParams(max_tokens=MAX_TOKENS, num_speculative_tokens=k, ignore_eos=True)
     reqs, drafts, verifiers, verdicts = _serve(target, draft, tok, prompts, params)
-    mismatches = ties = 0
-    for p, r, ref in zip(prompts, reqs, refs):
-        assert len(r.output_ids) == MAX_TOKENS
-        if r.output_ids != ref:
-            if _first_gap(target, p, ref, r.output_ids) < NEAR_TIE:
-                ties += 1
-            else:
-                mismatches += 1
+    mismatches, ties = count_mismatches(target, prompts, [r.output_ids for r in reqs], refs)
     assert mismatches == 0, f"{arch} k={k}: {mismatches} outputs differ from target greedy decoding"
     assert ties <= 1
     acc = sum(r.accepted for r in reqs) / sum(r.proposed for r in reqs)

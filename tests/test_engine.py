@@ -36,6 +36,19 @@ def _first_gap(model, prompt: list[int], ref: list[int], got: list[int]) -> floa
     return float(top[0] - top[1])
 
 
+def count_mismatches(target, prompts, outputs, refs) -> tuple[int, int]:
+    """(outputs that differ from the reference greedy decoding, of which near-ties)."""
+    mismatches = ties = 0
+    for p, o, r in zip(prompts, outputs, refs):
+        assert len(o) == MAX_TOKENS
+        if o != r:
+            if _first_gap(target, p, r, o) < NEAR_TIE:
+                ties += 1
+            else:
+                mismatches += 1
+    return mismatches, ties
+
+
 @pytest.fixture(scope="module")
 def reference(pair):
     arch, target, draft = pair
@@ -55,13 +68,8 @@ def test_greedy_equals_target(pair, tok, reference, k):
         outs = eng.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, num_speculative_tokens=k, ignore_eos=True), stats=stats)
         proposed += sum(s.proposed for s in stats)
         accepted += sum(s.accepted for s in stats)
-        for p, o, r in zip(prompts, outs, refs):
-            assert len(o.token_ids) == MAX_TOKENS
-            if o.token_ids != r:
-                if _first_gap(target, p, r, o.token_ids) < NEAR_TIE:
-                    ties += 1
-                else:
-                    mismatches += 1
+        m, t = count_mismatches(target, prompts, [o.token_ids for o in outs], refs)
+        mismatches, ties = mismatches + m, ties + t
     assert mismatches == 0, f"{arch} k={k}: {mismatches} outputs differ from target greedy decoding"
     assert ties <= 0.02 * 4 * len(prompts), f"{arch} k={k}: {ties} near-ties is not rare"
     # The draft must be neither useless nor perfect, or the rejection/rollback paths go untested.
