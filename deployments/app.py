@@ -10,8 +10,6 @@ Two deployments, both thin:
 
 from __future__ import annotations
 
-import threading
-import time
 from dataclasses import asdict
 
 from ray import serve
@@ -33,36 +31,15 @@ class SpecServer:
             tag = serve.get_replica_context().replica_id.unique_id
         except Exception:  # noqa: BLE001  outside a replica (unit tests)
             tag = "local"
-        sink = self._cluster_distillation(tag) if self.cfg.distill.enabled and self.cfg.distill.backend == "ray_train" else None
+        sink = None
+        if self.cfg.distill.enabled and self.cfg.distill.backend == "ray_train":
+            from .distiller import connect, send_record, start_heartbeat
+
+            self.buffer, self.controller = connect(self.cfg)
+            sink = lambda record: send_record(self.buffer, record)  # noqa: E731
         self.service = SpecService(self.cfg, replica_tag=tag, record_sink=sink)
         if sink is not None:
-            threading.Thread(target=self._heartbeat, args=(tag,), daemon=True).start()
-
-    def _cluster_distillation(self, tag: str):
-        """The buffer actor and the controller (one per cluster, created by whichever replica comes
-        first); returns the sink that hands each record to the buffer (which puts it in the object store)."""
-        from osd_serve.service import model_paths
-
-        from .distiller import BUFFER_NAME, CONTROLLER_NAME, NAMESPACE, DistillController, ReplayBufferActor
-
-        d = self.cfg.distill
-        opts = {"namespace": NAMESPACE, "get_if_exists": True, "lifetime": "detached"}
-        self.buffer = ReplayBufferActor.options(name=BUFFER_NAME, **opts).remote(
-            {"max_bytes": d.buffer_mb << 20, "trigger_records": d.trigger_records, "trigger_age_s": d.trigger_age_s})
-        train = {"mode": d.mode, "lr": d.lr, "steps_per_update": d.steps_per_update}
-        self.controller = DistillController.options(name=CONTROLLER_NAME, **opts).remote(
-            model_paths(self.cfg)[1], d.versions_dir, train, d.steps_per_update, d.max_train_workers)
-
-        def sink(record) -> None:
-            self.buffer.add.remote(record.expert, record, record.nbytes)  # fire and forget: never wait on it
-
-        return sink
-
-    def _heartbeat(self, tag: str) -> None:
-        while True:
-            ongoing, capacity = self.service.load()
-            self.controller.heartbeat.remote(tag, ongoing, capacity)
-            time.sleep(2.0)
+            start_heartbeat(self.controller, tag, self.service.load)
 
     @serve.multiplexed(max_num_models_per_replica=64)
     async def get_expert(self, expert: str) -> str:

@@ -92,9 +92,9 @@ class AppConfig(_Strict):
             raise ValueError(f"experts: names must be unique, got {names}")
         if self.default_expert not in names:
             raise ValueError(f"default_expert: {self.default_expert!r} is not one of the experts {names}")
-        if self.topology == "disaggregated" and self.distill.enabled:
-            raise ValueError("distill.enabled: online distillation runs in the colocated topology only so far; "
-                             "set distill.enabled: false with topology: disaggregated")
+        if self.topology == "disaggregated" and self.distill.enabled and self.distill.backend != "ray_train":
+            raise ValueError("distill.backend: the disaggregated topology distils with backend ray_train (no "
+                             "replica holds both models to train beside); set it, or distill.enabled: false")
         self.api_key = self.api_key or os.environ.get("OSD_API_KEY") or None
         self.admin_key = self.admin_key or os.environ.get("OSD_ADMIN_KEY") or None
         return self

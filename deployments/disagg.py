@@ -16,15 +16,18 @@ waits for it, and the event loop stays free for Serve's batching and routing.
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from ray import serve
 
 from osd_serve.config import SamplingParams
 from osd_serve.disagg import DraftWorker, ProposeItem, Proposal, TargetVerifier, Verdict, VerifyItem, run_request
+from osd_serve.distill.versions import VersionStore
 from osd_serve.output import Request
 
 from .config import AppConfig
@@ -43,6 +46,10 @@ def _load(cfg: AppConfig, role: str):
     return load_model(target if role == "target" else draft, role, mc.resolved_device(), mc.resolved_dtype()), vocab, max_len
 
 
+def _versions_dir(cfg: AppConfig) -> Path:
+    return Path(os.path.expanduser(cfg.distill.versions_dir))
+
+
 class _Batched:
     """Applies the config's batch size and wait to a replica's @serve.batch method."""
 
@@ -58,10 +65,19 @@ class _Batched:
 @serve.deployment(name="DraftPool", max_ongoing_requests=256)
 class DraftPool(_Batched):
     def __init__(self, cfg: dict):
+        from osd_serve.distill.versions import VersionWatcher
+
         self.cfg = AppConfig.model_validate(cfg)
         self.base, self.vocab, _ = _load(self.cfg, "draft")
         self.adapters = {e.name: e.adapter for e in self.cfg.experts}
         self._configure(self.propose, self.cfg)
+        self.workers: dict[str, DraftWorker] = {}
+        # Online distillation: the cluster distiller publishes versions; each loaded expert is hot-swapped
+        # on the torch thread, between batches, so no request fails or waits for more than one swap.
+        self.watcher = VersionWatcher(_versions_dir(self.cfg), self._swap) if self.cfg.distill.enabled else None
+
+    def _swap(self, expert: str, state: dict, version: int) -> None:  # the watcher's thread
+        self.pool.submit(self.workers[expert].swap, state, version).result()
 
     @serve.multiplexed(max_num_models_per_replica=64)
     async def get_worker(self, expert: str) -> DraftWorker:
@@ -70,7 +86,13 @@ class DraftPool(_Batched):
         if expert not in self.adapters:
             raise ValueError(f"expert: unknown expert {expert!r}")
         draft = await self._run(expert_draft, self.base, self.adapters[expert])
-        return DraftWorker(draft, self.vocab, ahead=self.cfg.draft_ahead)
+        worker = self.workers[expert] = DraftWorker(draft, self.vocab, ahead=self.cfg.draft_ahead)
+        if self.watcher is not None:
+            version, state = await self._run(self.watcher.watch, expert, draft.state_dict)
+            if state is not None:
+                await self._run(worker.swap, state, version)
+            worker.version = version
+        return worker
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.002)
     async def propose(self, items: list[ProposeItem]) -> list[Proposal]:
@@ -92,13 +114,23 @@ class Verifier(_Batched):
 
         self.cfg = AppConfig.model_validate(cfg)
         target, vocab, _ = _load(self.cfg, "target")
-        self.core = TargetVerifier(target, vocab)
-        w = self.cfg.wandb
+        recorder = None
         tag = serve.get_replica_context().replica_id.unique_id
+        if self.cfg.distill.enabled:  # backend ray_train (config.py): records go to the cluster's buffer
+            from osd_serve.distill.recorder import RecordConfig, Recorder
+
+            from .distiller import connect, start_heartbeat
+
+            recorder = Recorder(RecordConfig(keep=self.cfg.distill.keep))
+            self.buffer, controller = connect(self.cfg)
+            start_heartbeat(controller, tag, lambda: (len(self.live), self.cfg.max_batch_size))
+        self.core = TargetVerifier(target, vocab, recorder=recorder)
+        w = self.cfg.wandb
         self.telemetry = Telemetry(w.mode, w.project, w.dir, w.log_every_s,
                                    config=self.cfg.model_dump(exclude={"api_key", "admin_key"}), name=f"osd-verifier-{tag}")
         self.recomputed = 0
         self.live: dict[str, str] = {}  # sequence id -> expert, until released
+        self.versions: dict[str, int] = {}  # expert -> the newest draft version seen in a proposal
         self._configure(self.verify, self.cfg)
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.002)
@@ -108,15 +140,25 @@ class Verifier(_Batched):
         self.live.update((it.seq_id, it.expert) for it in items)
         for expert, st in stats.items():
             self.telemetry.on_step(expert, st)
+        for it in items:
+            if it.draft_version > self.versions.get(it.expert, -1):
+                self.versions[it.expert] = it.draft_version
+                self.telemetry.on_event(it.expert, version=it.draft_version)
         return verdicts
 
-    async def release(self, seq_id: str, expert: str, latency_s: float) -> None:
+    async def release(self, seq_id: str, expert: str, latency_s: float, prompt_ids: list[int] | None = None,
+                      output_ids: list[int] | None = None) -> None:
+        """The sequence is done: free its cache; with distillation on, send its replay record."""
+        from .distiller import send_record
+
         self.telemetry.on_request(expert, latency_s)
         self.live.pop(seq_id, None)
         await self._run(self.core.release, seq_id)
+        if prompt_ids is not None:
+            send_record(self.buffer, await self._run(self.core.finish, seq_id, prompt_ids, output_ids))
 
     def metrics(self) -> dict:
-        self.telemetry.maybe_log()
+        self.telemetry.maybe_log(force=True)  # closes the window, as in SpecService.admin_metrics
         return {"history": self.telemetry.history[-500:], "recomputed_tokens": self.recomputed}
 
     def running(self) -> dict[str, int]:
@@ -178,7 +220,8 @@ class DisaggBackend:
                        "prompt_tokens": len(ids)}
         finally:  # finished, failed or the client went away: free the sequence on both sides, without waiting
             drafts.release.remote(req.request_id)
-            verifier.release.remote(req.request_id, expert, time.perf_counter() - t0)
+            record = (req.prompt_ids, req.output_ids) if self.cfg.distill.enabled else ()
+            verifier.release.remote(req.request_id, expert, time.perf_counter() - t0, *record)
 
     async def admin_experts(self):
         # Verifier replicas are not addressable one by one through a handle; this asks one of them
@@ -186,7 +229,13 @@ class DisaggBackend:
         if not self._ready:
             self._setup()
         running = await self.verifier.running.remote()
-        return {"experts": {e: {"topology": "disaggregated", "running": running.get(e, 0)} for e in self.experts()}}
+        out = {}
+        for e in self.experts():
+            out[e] = {"topology": "disaggregated", "running": running.get(e, 0)}
+            if self.cfg.distill.enabled:
+                store = VersionStore(_versions_dir(self.cfg) / e)
+                out[e].update(serving_version=store.refresh(), versions=store.versions)
+        return {"experts": out}
 
     async def admin_metrics(self):
         if not self._ready:
@@ -194,7 +243,13 @@ class DisaggBackend:
         return await self.verifier.metrics.remote()
 
     async def admin_rollback(self, expert, to):
-        raise ValueError("rollback: online distillation runs in the colocated topology only so far")
+        # The store is shared by every DraftPool replica (and the controller trains from its current
+        # version): rolling its manifest back is what they all pick up at their next poll.
+        if not self.cfg.distill.enabled:
+            raise ValueError("rollback: distill.enabled is false, so there are no draft versions")
+        version, _ = await asyncio.to_thread(VersionStore(_versions_dir(self.cfg) / expert).rollback, to)
+        return {"expert": expert, "serving_version": version}
 
     async def admin_update(self, expert):
-        raise ValueError("update: online distillation runs in the colocated topology only so far")
+        raise ValueError("update: with distill.backend ray_train the cluster controller trains when the replay "
+                         "buffer's trigger fires (distill.trigger_records, distill.trigger_age_s)")

@@ -205,3 +205,36 @@ class DistillController:
         return {"expert": expert, "trigger": why, "plan": plan, "published": verdict.publish, "reason": verdict.reason,
                 "version": version, "candidate": verdict.candidate, "serving": verdict.serving, "time": t0,
                 "seconds": time.time() - t0}
+
+
+def connect(cfg) -> tuple:
+    """The cluster's buffer actor and controller (created by whichever replica comes first, then
+    found by name); cfg: deployments.config.AppConfig with distill.backend ray_train."""
+    from osd_serve.service import model_paths
+
+    d = cfg.distill
+    opts = {"namespace": NAMESPACE, "get_if_exists": True, "lifetime": "detached"}
+    buffer = ReplayBufferActor.options(name=BUFFER_NAME, **opts).remote(
+        {"max_bytes": d.buffer_mb << 20, "trigger_records": d.trigger_records, "trigger_age_s": d.trigger_age_s})
+    train = {"mode": d.mode, "lr": d.lr, "steps_per_update": d.steps_per_update}
+    controller = DistillController.options(name=CONTROLLER_NAME, **opts).remote(
+        model_paths(cfg)[1], d.versions_dir, train, d.steps_per_update, d.max_train_workers)
+    return buffer, controller
+
+
+def send_record(buffer, record) -> None:
+    if record is not None:
+        buffer.add.remote(record.expert, record, record.nbytes)  # fire and forget: serving never waits on it
+
+
+def start_heartbeat(controller, tag: str, load, every_s: float = 2.0) -> None:
+    """Tell the controller this replica's (ongoing, capacity) every few seconds, so it trains on CPUs
+    only while serving is not busy."""
+
+    def beat() -> None:
+        while True:
+            ongoing, capacity = load()
+            controller.heartbeat.remote(tag, ongoing, capacity)
+            time.sleep(every_s)
+
+    threading.Thread(target=beat, name="osd-heartbeat", daemon=True).start()

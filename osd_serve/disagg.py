@@ -19,6 +19,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
@@ -63,6 +64,7 @@ class ProposeItem:
 class Proposal:
     tokens: list[int]  # [k]
     probs: torch.Tensor | None  # [k, V] float32 draft distributions; None for greedy (one-hot of tokens)
+    version: int = 0  # the draft version that proposed them
 
 
 @dataclass
@@ -73,6 +75,8 @@ class VerifyItem:
     draft_probs: torch.Tensor | None  # [k, V], None for greedy
     sampling: Sampling
     expert: str = "default"
+    prompt_len: int = 0  # where the response starts in history (replay records index the response)
+    draft_version: int = 0
 
 
 @dataclass
@@ -150,13 +154,26 @@ class SeqCaches:
 class DraftWorker:
     """Proposes k tokens for a batch of sequences, then drafts ahead (see the module docstring)."""
 
-    def __init__(self, draft, vocab: int, max_seqs: int = 1024, ahead: bool = True):
-        self.draft, self.vocab, self.ahead = draft, vocab, ahead
+    def __init__(self, draft, vocab: int, max_seqs: int = 1024, ahead: bool = True, version: int = 0):
+        self.draft, self.vocab, self.ahead, self.version = draft, vocab, ahead, version
         self.device = next(draft.parameters()).device
+        self.max_seqs = max_seqs
         self.caches = SeqCaches(draft, self.device, max_seqs)
         self._ahead: dict[str, tuple[list[int], Proposal]] = {}  # seq id -> (history it assumes, proposal)
         self._last: tuple[list[ProposeItem], list[Proposal]] | None = None
         self.hits = self.misses = 0
+
+    def swap(self, state: dict[str, torch.Tensor], version: int) -> None:
+        """New draft weights (names as in draft.state_dict()). Call it between calls, never during one
+        (the deployment runs it on its torch thread). Caches and drafted-ahead proposals hold the old
+        weights' work: dropped, so each sequence is recomputed by the new draft at its next proposal."""
+        unknown = set(state) - set(self.draft.state_dict())
+        if unknown:
+            raise ValueError(f"swap: state has names the draft does not: {sorted(unknown)[:3]}")
+        self.draft.load_state_dict(state, strict=False)
+        self.version = version
+        self.caches = SeqCaches(self.draft, self.device, self.max_seqs)
+        self._ahead, self._last = {}, None
 
     def propose(self, items: list[ProposeItem]) -> list[Proposal]:
         out: list[Proposal | None] = [None] * len(items)
@@ -190,7 +207,7 @@ class DraftWorker:
         histories = [it.history + p.tokens for it, p in zip(items, props)]
         for it, h, p in zip(items, histories, self._draft(items, histories, [it.k + 1 for it in items], _AHEAD)):
             probs = p.probs[1:] if p.probs is not None else None
-            self._ahead[it.seq_id] = (h + p.tokens[:1], Proposal(p.tokens[1:], probs))
+            self._ahead[it.seq_id] = (h + p.tokens[:1], Proposal(p.tokens[1:], probs, p.version))
 
     def _draft(self, items: list[ProposeItem], histories: list[list[int]], ks: list[int], stream: int) -> list[Proposal]:
         ids = [it.seq_id for it in items]
@@ -202,7 +219,7 @@ class DraftWorker:
         tokens = tokens.tolist()
         # The cache now holds the history and each row's first k_i - 1 proposals (the last is never fed).
         self.caches.set_tokens(ids, [h + t[: n - 1] for h, t, n in zip(histories, tokens, ks)])
-        return [Proposal(t[:n], None if it.sampling.greedy else probs[i, :n].float().cpu())
+        return [Proposal(t[:n], None if it.sampling.greedy else probs[i, :n].float().cpu(), self.version)
                 for i, (it, t, n) in enumerate(zip(items, tokens, ks))]
 
     def release(self, seq_id: str) -> None:
@@ -211,10 +228,13 @@ class DraftWorker:
 
 
 class TargetVerifier:
-    """Scores every sequence's proposals in one target forward and applies the accept rule."""
+    """Scores every sequence's proposals in one target forward and applies the accept rule.
 
-    def __init__(self, target, vocab: int, max_seqs: int = 1024):
-        self.target, self.vocab = target, vocab
+    recorder: a distill Recorder; each step's target distributions go to it (no extra forward), and
+    finish() turns a finished sequence into a replay record for the distiller."""
+
+    def __init__(self, target, vocab: int, max_seqs: int = 1024, recorder=None):
+        self.target, self.vocab, self.recorder = target, vocab, recorder
         self.device = next(target.parameters()).device
         self.caches = SeqCaches(target, self.device, max_seqs)
 
@@ -245,6 +265,10 @@ class TargetVerifier:
         u = torch.stack([uniforms(it.sampling.seed, _VERIFY, len(it.history), kmax + 1) for it in items]).to(dev)  # [B, k+1]
         tokens, n_acc = verify(p, q, draft, rows.k, u)
         n_acc_l, tokens = n_acc.tolist(), tokens.tolist()
+        if self.recorder is not None:
+            self.recorder.observe_probs([(it.seq_id, it.expert) for it in items], torch.softmax(logits.float(), -1), q,
+                                        n_acc_l, ks, [len(h) - it.prompt_len for h, it in zip(hist, items)],
+                                        [it.draft_version for it in items])
         # The cache keeps the history and the accepted drafts; the correction/bonus token is fed next step.
         kv.truncate(torch.tensor([len(h) + a for h, a in zip(hist, n_acc_l)], device=dev))
         self.caches.set_tokens(ids, [h + it.draft[:a] for h, it, a in zip(hist, items, n_acc_l)])
@@ -273,6 +297,12 @@ class TargetVerifier:
     def release(self, seq_id: str) -> None:
         self.caches.release(seq_id)
 
+    def finish(self, seq_id: str, prompt_ids: list[int], output_ids: list[int]):
+        """The sequence's replay record (None if no position was kept, or nothing is recorded)."""
+        if self.recorder is None:
+            return None
+        return self.recorder.finish(SimpleNamespace(request_id=seq_id, prompt_ids=prompt_ids, output_ids=output_ids))[0]
+
 
 async def run_request(
     req: Request, seed: int, tokenizer, eos_ids: set[int],
@@ -286,7 +316,8 @@ async def run_request(
         history = req.prompt_ids + req.output_ids
         k = p.num_speculative_tokens
         prop = await propose_fn(ProposeItem(req.request_id, history, k, s)) if k else Proposal([], None)
-        v = await verify_fn(VerifyItem(req.request_id, history, prop.tokens, prop.probs, s, req.expert))
+        v = await verify_fn(VerifyItem(req.request_id, history, prop.tokens, prop.probs, s, req.expert,
+                                       len(req.prompt_ids), prop.version))
         req.proposed += k
         req.accepted += v.accepted
         req.steps += 1

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import os
-import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -18,7 +17,7 @@ from .distill.online import OnlineDistiller
 from .distill.recorder import RecordConfig, Recorder
 from .distill.replay import BufferConfig, ReplayBuffer
 from .distill.trainer import DistillTrainer, TrainConfig
-from .distill.versions import VersionStore
+from .distill.versions import VersionStore, VersionWatcher
 from .protocol import render_chat
 from .serving import AsyncSpecServer
 from .telemetry import Telemetry
@@ -68,7 +67,7 @@ class SpecService:
         self.server = AsyncSpecServer(self.target, self.tokenizer, drafts, econf, on_step=self.telemetry.on_step)
         self.distillers: dict[str, OnlineDistiller] = {}
         d = cfg.distill
-        self._stop = threading.Event()
+        self.watcher: VersionWatcher | None = None
         if d.enabled and record_sink is not None:
             self._watch_versions(Path(os.path.expanduser(d.versions_dir)), record_sink, RecordConfig(keep=d.keep))
         elif d.enabled:
@@ -83,29 +82,16 @@ class SpecService:
                 dist.start()
                 self.distillers[name] = dist
 
-    def _watch_versions(self, root: Path, sink, record_cfg: RecordConfig, poll_s: float = 2.0) -> None:
-        """Records go to the sink; a thread swaps in any version another process publishes."""
-        stores = {}
+    def _watch_versions(self, root: Path, sink, record_cfg: RecordConfig) -> None:
+        """Records go to the sink; a watcher swaps in any version another process publishes."""
+        self.watcher = VersionWatcher(root, lambda name, state, v: self.server.engines[name].swap_draft(state, v),
+                                      on_swap=lambda name, v: self.telemetry.on_event(name, version=v))
         for name, eng in self.server.engines.items():
             eng.recorder = Recorder(record_cfg, on_finish=lambda rec, tr: rec is not None and sink(rec))
-            stores[name] = VersionStore(root / name)
-            if stores[name].refresh() is None:  # version 0: this expert's draft as configured
-                stores[name].publish({n: t.clone() for n, t in eng.draft.state_dict().items()}, {"reason": "initial draft"})
-            eng.draft_version = stores[name].current
-
-        def poll():
-            while not self._stop.wait(poll_s):
-                for name, store in stores.items():
-                    eng = self.server.engines[name]
-                    try:
-                        v = store.refresh()
-                        if v is not None and v != eng.draft_version:
-                            eng.swap_draft(store.load(v), v)
-                            self.telemetry.on_event(name, version=v)
-                    except (OSError, ValueError, KeyError):  # a version being pruned as we read: next poll
-                        continue
-
-        threading.Thread(target=poll, name="osd-version-watch", daemon=True).start()
+            version, state = self.watcher.watch(name, eng.draft.state_dict)
+            if state is not None:
+                eng.swap_draft(state, version)
+            eng.draft_version = version
 
     def load(self) -> tuple[int, int]:
         """(ongoing sequences, capacity): what the distill controller weighs against training."""
@@ -139,18 +125,24 @@ class SpecService:
         for name, eng in self.server.engines.items():
             dist = self.distillers.get(name)
             out[name] = {"serving_version": eng.draft_version, "running": len(eng.running), "waiting": len(eng.waiting),
-                         "versions": dist.store.versions if dist else [],
+                         "versions": dist.store.versions if dist else self._watched_versions(name),
                          "updates": len(dist.updates) if dist else 0,
                          "buffer_bytes": dist.buffer.nbytes if dist else 0}
         return {"experts": out}
 
+    def _watched_versions(self, expert: str) -> list[int]:
+        store = self.watcher.stores.get(expert) if self.watcher is not None else None
+        return store.versions if store is not None else []
+
     async def admin_metrics(self) -> dict:
-        self.telemetry.maybe_log()
+        self.telemetry.maybe_log(force=True)  # closes the window: a call after a burst of traffic reports that burst
         return {"history": self.telemetry.history[-500:]}
 
     async def admin_rollback(self, expert: str, to: int | None) -> dict:
-        dist = self._dist(expert)
-        version = await asyncio.to_thread(dist.rollback, to)
+        if self.watcher is not None and expert in self.watcher.stores:  # backend ray_train: the shared store
+            version = await asyncio.to_thread(self.watcher.rollback, expert, to)
+        else:
+            version = await asyncio.to_thread(self._dist(expert).rollback, to)
         self.telemetry.on_event(expert, version=version, rollback=1)
         return {"expert": expert, "serving_version": version}
 
@@ -162,11 +154,14 @@ class SpecService:
 
     def _dist(self, expert: str) -> OnlineDistiller:
         if expert not in self.distillers:
-            raise ValueError(f"expert {expert!r} has no distiller (distill.enabled is false)")
+            why = "distill.enabled is false" if not self.cfg.distill.enabled else (
+                "with distill.backend ray_train the cluster controller trains when the buffer's trigger fires")
+            raise ValueError(f"expert {expert!r} has no distiller in this replica ({why})")
         return self.distillers[expert]
 
     def close(self) -> None:
-        self._stop.set()
+        if self.watcher is not None:
+            self.watcher.close()
         for d in self.distillers.values():
             d.stop()
         self.server.close()

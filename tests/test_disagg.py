@@ -11,10 +11,12 @@ import pytest
 import torch
 
 import osd_serve.disagg as disagg
-from osd_serve.config import SamplingParams
+from osd_serve.config import EngineConfig, SamplingParams
 from osd_serve.disagg import DraftWorker, TargetVerifier, run_request
+from osd_serve.distill.recorder import RecordConfig, Recorder
+from osd_serve.engine import SpecEngine
 from osd_serve.output import Request
-from tests.conftest import llama
+from tests.conftest import llama, perturbed
 from tests.test_engine import MAX_TOKENS, _hf_greedy, _prompts, count_mismatches
 from tests.test_sampling_e2e import PROMPT, V, _chi2, _chi2_critical, _exact, _IdTokenizer
 
@@ -36,11 +38,11 @@ class Batcher:
         return await fut
 
 
-def _serve(target, draft, tok, prompts, params, workers=2, move=0.3, ahead=True, seed=0):
+def _serve(target, draft, tok, prompts, params, workers=2, move=0.3, ahead=True, seed=0, recorder=None):
     """Run every prompt concurrently; returns (requests, draft workers, verifiers, verdicts)."""
     vocab = target.config.vocab_size
     drafts = [DraftWorker(draft, vocab, ahead=ahead) for _ in range(workers)]
-    verifiers = [TargetVerifier(target, vocab) for _ in range(workers)]
+    verifiers = [TargetVerifier(target, vocab, recorder=recorder() if recorder else None) for _ in range(workers)]
     rng = random.Random(seed)
     home: dict[str, int] = {}
     verdicts = []
@@ -113,6 +115,77 @@ def test_draft_equal_to_target_accepts_all_and_drafts_ahead(tok):
     # proposal comes from drafting ahead.
     steps = sum(r.steps for r in reqs)
     assert drafts[0].hits == steps - len(reqs)
+
+
+@torch.inference_mode()
+def test_verifier_records_the_targets_corrections_like_the_colocated_engine(pair, tok):
+    """The verifier's replay records (what the distiller trains on) hold the target's raw
+    distribution where it corrected the draft: the same records the colocated engine makes."""
+    _, target, draft = pair
+    prompts = _prompts(target.config.vocab_size, n=6, seed=4)
+    params = SamplingParams(max_tokens=MAX_TOKENS, num_speculative_tokens=3, ignore_eos=True)
+    for keep in ("all", "mismatch"):
+        reqs, _, verifiers, _ = _serve(target, draft, tok, prompts, params, workers=1, move=0.0, ahead=False,
+                                       recorder=lambda: Recorder(RecordConfig(keep)))
+        recs = [verifiers[0].finish(r.request_id, r.prompt_ids, r.output_ids) for r in reqs]
+        colocated: list = []
+        engine = SpecEngine(target, draft, tok, EngineConfig(max_batch_size=8),
+                            Recorder(RecordConfig(keep), on_finish=lambda rec, _: colocated.append(rec)))
+        outs = engine.generate(prompts, params)
+        by_prompt = {tuple(r.prompt_ids.tolist()): r for r in colocated if r is not None}
+        for p, r, rec, out in zip(prompts, reqs, recs, outs):
+            assert r.output_ids == out.token_ids
+            if rec is None:  # keep=mismatch and the draft was never corrected
+                assert keep == "mismatch" and tuple(p) not in by_prompt
+                continue
+            assert rec.response_ids.tolist() == r.output_ids
+            if keep == "all":  # every emitted token was verified, and its distribution kept
+                assert rec.positions.tolist() == list(range(len(r.output_ids)))
+            want = by_prompt[tuple(p)]
+            assert rec.positions.tolist() == want.positions.tolist()
+            logits = target(torch.tensor([p + r.output_ids])).logits[0]
+            raw = torch.softmax(logits[len(p) - 1 + rec.positions], -1)  # raw, not greedy's one-hot
+            assert torch.allclose(rec.dense_probs(len(tok)), raw, atol=2e-3)
+        if keep == "mismatch":
+            assert 0 < sum(len(r.positions) for r in recs if r) < sum(len(r.output_ids) for r in reqs)
+        assert verifiers[0].recorder.traces == {}  # finished sequences leave nothing behind
+
+
+def test_hot_swap_mid_request_stays_lossless_and_serves_the_new_draft(tok):
+    """A new draft version arrives between steps (as DraftPool swaps one in): the caches built by the
+    old weights are dropped and recomputed, the output is still the target's greedy output, and the
+    proposals carry the new version (here the target's own weights, so every one is accepted)."""
+    target = llama(len(tok), seed=3)
+    draft = perturbed(target, 0.05)
+    vocab = len(tok)
+    worker, verifier = DraftWorker(draft, vocab), TargetVerifier(target, vocab)
+    prompt = _prompts(vocab, n=1, seed=2)[0]
+    req = Request("s0", "", prompt, SamplingParams(max_tokens=MAX_TOKENS, num_speculative_tokens=3, ignore_eos=True), None)
+    verdicts = []
+
+    async def propose(item):
+        if len(verdicts) == 3:
+            worker.swap({n: t.clone() for n, t in target.state_dict().items()}, 1)
+        p = worker.propose([item])[0]
+        worker.draft_ahead()
+        return p
+
+    async def verify(item):
+        v = verifier.verify([item])[0][0]
+        verdicts.append((item.draft_version, v))
+        return v
+
+    async def main():
+        async for _ in run_request(req, 0, tok, set(), propose, verify):
+            pass
+
+    asyncio.run(main())
+    assert req.output_ids == _hf_greedy(target, prompt, MAX_TOKENS)
+    assert [ver for ver, _ in verdicts[:3]] == [0, 0, 0] and sum(v.accepted < 3 for _, v in verdicts[:3]) > 0
+    after = verdicts[3:-1]  # the last step may be cut by max_tokens
+    assert after and all(ver == 1 and v.accepted == 3 for ver, v in after)
+    with pytest.raises(ValueError, match="names the draft does not"):
+        worker.swap({"not.a.weight": torch.zeros(1)}, 2)
 
 
 def _sampled_counts(target, draft, params: SamplingParams, n: int = 6000) -> torch.Tensor:

@@ -18,7 +18,7 @@ from osd_serve.distill.online import OnlineDistiller
 from osd_serve.distill.recorder import RecordConfig, Recorder
 from osd_serve.distill.replay import BufferConfig, ReplayBuffer
 from osd_serve.distill.trainer import DistillTrainer, TrainConfig
-from osd_serve.distill.versions import VersionStore
+from osd_serve.distill.versions import VersionStore, VersionWatcher
 from osd_serve.engine import SpecEngine
 
 N_TOK = 12
@@ -158,6 +158,30 @@ def test_versions_are_atomic_pruned_and_roll_back(tmp_path, models):
     with pytest.raises(KeyError):
         store.load(0)
     assert [p.suffix for p in (tmp_path / "v000001").iterdir() if p.is_file()] .count(".bin") == 0
+
+
+def test_watcher_swaps_in_what_another_process_publishes(tmp_path, models):
+    """The ray_train backend's hot-swap path: a replica watches the shared store, the controller publishes."""
+    _, weak = models
+    base = {n: t.clone() for n, t in weak.state_dict().items()}
+    applied = []
+    w = VersionWatcher(tmp_path, lambda e, st, v: applied.append((e, v, st)), poll_s=3600)  # polled by hand
+    assert w.watch("sql", lambda: base) == (0, None)  # an empty store: the draft as configured is version 0
+    w.poll()
+    assert applied == []
+    trained = {n: t + 1 for n, t in base.items()}
+    assert VersionStore(tmp_path / "sql").publish(trained) == 1  # the controller, another process
+    w.poll()
+    assert [(e, v) for e, v, _ in applied] == [("sql", 1)] and torch.equal(applied[0][2]["lm_head.weight"], trained["lm_head.weight"])
+    w.poll()
+    assert len(applied) == 1  # once per version
+    assert w.rollback("sql") == 0  # an admin rollback goes through the shared store...
+    w.poll()
+    assert [(e, v) for e, v, _ in applied] == [("sql", 1), ("sql", 0)]  # ...and every watcher follows
+    # A replica started later serves the store's current version from the start.
+    v, st = VersionWatcher(tmp_path, None, poll_s=3600).watch("sql", lambda: trained)
+    assert v == 0 and torch.equal(st["lm_head.weight"], base["lm_head.weight"])
+    w.close()
 
 
 @pytest.fixture(scope="module")

@@ -64,8 +64,9 @@ class Recorder:
     position was kept (e.g. keep='mismatch' and the draft was right everywhere).
     """
 
-    def __init__(self, cfg: RecordConfig | None = None, on_finish: Callable | None = None):
+    def __init__(self, cfg: RecordConfig | None = None, on_finish: Callable | None = None, max_traces: int = 4096):
         self.cfg = cfg or RecordConfig()
+        self.max_traces = max_traces
         self.on_finish = on_finish
         self.traces: dict[str, RequestTrace] = {}
 
@@ -73,17 +74,31 @@ class Recorder:
     def observe(self, requests, out, n_acc: list[int], k_rows: list[int], before: list[int], version: int) -> None:
         """requests: the batch's Request objects (row order); before[i]: len(output_ids) before the step."""
         p = torch.softmax(out.target_logits.float(), -1).cpu()  # [B, k+1, V]
-        k = out.draft_logits.shape[1]
-        overlap = torch.minimum(p[:, :k], torch.softmax(out.draft_logits.float(), -1).cpu()).sum(-1)  # [B, k]
-        for i, (r, a, kr) in enumerate(zip(requests, n_acc, k_rows)):
-            tr = self.traces.setdefault(r.request_id, RequestTrace(r.request_id, getattr(r, "expert", "default")))
+        q = torch.softmax(out.draft_logits.float(), -1).cpu()  # [B, k, V]
+        keys = [(r.request_id, getattr(r, "expert", "default")) for r in requests]
+        self.observe_probs(keys, p, q, n_acc, k_rows, before, [version] * len(keys))
+
+    @torch.no_grad()
+    def observe_probs(self, keys: list[tuple[str, str]], p: torch.Tensor, q: torch.Tensor, n_acc: list[int],
+                      k_rows: list[int], before: list[int], versions: list[int]) -> None:
+        """keys: (request id, expert) per row. p [B, k+1, V]: the target's raw distributions; q [B, k, V]:
+        the draft's (the disaggregated verifier has only the processed q, one-hot for greedy)."""
+        p, q = p.float().cpu(), q.float().cpu()
+        k = q.shape[1]
+        overlap = torch.minimum(p[:, :k], q).sum(-1)  # [B, k]
+        for i, ((rid, expert), a, kr) in enumerate(zip(keys, n_acc, k_rows)):
+            tr = self.traces.get(rid)
+            if tr is None:
+                tr = self.traces[rid] = RequestTrace(rid, expert)
+                while len(self.traces) > self.max_traces:  # requests that never finished here (moved away)
+                    self.traces.pop(next(iter(self.traces)))
             tested = a + (a < kr)  # the draft positions whose context was on the target's path
             tr.tested += tested
             tr.accepted += a
             tr.expected += float(overlap[i, :tested].sum())
             tr.steps += 1
             tr.emitted += a + 1
-            tr.draft_version = version
+            tr.draft_version = versions[i]
             if self.cfg.keep == "all":
                 kept = range(a + 1)
             else:

@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -102,3 +103,63 @@ class VersionStore:
 
     def meta(self, version: int) -> dict:
         return json.loads((self.path(version) / "meta.json").read_text())
+
+
+class VersionWatcher:
+    """Hot-swap for drafts trained elsewhere: polls each expert's VersionStore under ``root`` and calls
+    ``apply(expert, state, version)`` when another process (the cluster distiller) publishes.
+
+    Used by the colocated SpecServer and the disaggregated DraftPool when distill.backend is ray_train.
+    A version being pruned as it is read is skipped, and picked up at the next poll.
+    """
+
+    def __init__(self, root: str | os.PathLike, apply, poll_s: float = 2.0, on_swap=None):
+        self.root, self.apply, self.poll_s, self.on_swap = Path(root), apply, poll_s, on_swap
+        self.stores: dict[str, VersionStore] = {}
+        self.serving: dict[str, int | None] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, expert: str, initial_state) -> tuple[int, dict | None]:
+        """Start watching an expert. initial_state: a callable returning its draft's state dict as
+        configured, published as version 0 if the store is empty. Returns (version to serve, its state
+        to load now, or None when it is the initial draft itself); the caller loads it, on its own thread."""
+        store = VersionStore(self.root / expert)
+        state = None
+        if store.refresh() is None:
+            store.publish({n: t.clone() for n, t in initial_state().items()}, {"reason": "initial draft"})
+        else:  # a restart, or a replica added later: serve what the store says the others serve
+            state = store.load()
+        with self._lock:
+            self.stores[expert], self.serving[expert] = store, store.current
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="osd-version-watch", daemon=True)
+                self._thread.start()
+        return store.current, state
+
+    def poll(self) -> None:
+        with self._lock:
+            items = list(self.stores.items())
+        for expert, store in items:
+            try:
+                v = store.refresh()
+                if v is not None and v != self.serving.get(expert):
+                    self.apply(expert, store.load(v), v)
+                    self.serving[expert] = v
+                    if self.on_swap is not None:
+                        self.on_swap(expert, v)
+            except (OSError, ValueError, KeyError):
+                continue
+
+    def rollback(self, expert: str, to: int | None = None) -> int:
+        """Make an older kept version current in the shared store; every watcher (this one at its next
+        poll) swaps it in, and the cluster distiller trains on from it."""
+        return self.stores[expert].rollback(to)[0]
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            self.poll()
+
+    def close(self) -> None:
+        self._stop.set()
