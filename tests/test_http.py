@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -180,3 +181,9 @@ def test_config_errors_name_the_field():
         parse_config({"topolgy": "colocated"})
     with pytest.raises(ValueError, match="default_expert"):
         parse_config({"default_expert": "x"})
+    with pytest.raises(ValueError, match="distill.backend: the disaggregated topology distils with backend ray_train"):
+        parse_config({"topology": "disaggregated"})  # distillation is on by default, with backend local
+    assert parse_config({"topology": "disaggregated", "distill": {"backend": "ray_train"}}).distill.enabled
+    yaml = pytest.importorskip("yaml")
+    for path in ("serve_config.yaml", "serve_config.disaggregated.yaml"):  # the shipped configs validate
+        parse_config(yaml.safe_load((Path(__file__).resolve().parents[1] / path).read_text())["applications"][0]["args"])
