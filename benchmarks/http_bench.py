@@ -7,7 +7,8 @@ For each concurrency level it sends the same prompts (GSM8K test questions from 
 or examples/prompts.jsonl) twice: speculation on (k=4) and off (k=0, plain decoding through the same
 server), greedy, and reports p50/p99 latency and generated tokens/s, all measured in one run. With
 --trace azure, request i is sent at the i-th arrival time of the Azure LLM code trace (time-scaled
-by --trace-speedup), instead of as fast as the concurrency limit allows.
+by --trace-speedup), instead of as fast as the concurrency limit allows; latency then runs from the
+arrival time, so queueing behind the concurrency limit counts.
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ def azure_offsets(n: int, speedup: float) -> list[float]:
 async def one(client, url, headers, prompt, max_tokens, k, start_at=None):
     if start_at is not None:
         await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
-    t0 = time.perf_counter()
+    # Paced by a trace, latency runs from the request's arrival time, so time spent queued behind the
+    # concurrency limit counts, as a user would see it.
+    t0 = time.perf_counter() if start_at is None else start_at
     r = await client.post(f"{url}/v1/completions", headers=headers, timeout=600, json={
         "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "num_speculative_tokens": k, "ignore_eos": True})
     r.raise_for_status()
@@ -62,6 +65,8 @@ async def level(url, headers, ps, conc, max_tokens, k, offsets=None):
         t0 = time.perf_counter()
 
         async def guarded(i, p):
+            if offsets is not None:  # arrive on time, then wait for a free slot
+                await asyncio.sleep(max(0.0, t0 + offsets[i] - time.perf_counter()))
             async with sem:
                 return await one(client, url, headers, p, max_tokens, k, None if offsets is None else t0 + offsets[i])
 

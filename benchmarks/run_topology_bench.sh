@@ -4,6 +4,7 @@
 # online distillation off in both so the comparison is of the serving paths alone, and each is
 # benchmarked in turn (the idle one sleeps) at concurrency 1/4/16, k=4 against k=0.
 # Usage: bash benchmarks/run_topology_bench.sh [extra http_bench.py args, e.g. --trace azure]
+# Writes $OSD_RESULTS/topology_bench.json, or topology_bench_azure.json with --trace azure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OSD_RESULTS:-benchmarks/results}
@@ -13,6 +14,7 @@ import sys, yaml
 co = yaml.safe_load(open("serve_config.yaml"))
 dis = yaml.safe_load(open("serve_config.disaggregated.yaml"))["applications"][0]
 co["applications"][0]["args"]["distill"] = {"enabled": False}
+dis["args"]["distill"] = {"enabled": False}
 dis.update(name="disagg", route_prefix="/disagg")
 # One replica each (topologies, not autoscaling, are compared), and CPU shares that let both apps
 # be scheduled on a 2-core machine: Ray gives each replica one torch thread either way, so the
@@ -33,4 +35,5 @@ ready() { curl -sf -m 60 localhost:8000$1/v1/completions -H 'Content-Type: appli
 for _ in $(seq 1 900); do ready "" && ready /disagg && break; sleep 2; done
 python benchmarks/http_bench.py --url http://127.0.0.1:8000 --out "$TMP/colocated.json" "$@"
 python benchmarks/http_bench.py --url http://127.0.0.1:8000/disagg --out "$TMP/disaggregated.json" "$@"
-python benchmarks/topology_report.py "$TMP/colocated.json" "$TMP/disaggregated.json" "$OUT/topology_bench.json"
+NAME=topology_bench; [[ " $* " == *" --trace azure "* ]] && NAME=topology_bench_azure
+python benchmarks/topology_report.py "$TMP/colocated.json" "$TMP/disaggregated.json" "$OUT/$NAME.json"
