@@ -17,4 +17,8 @@ if [ -d "$D" ]; then
   d=$(python -c 'import json,sys; print(json.loads(sys.argv[1])["draft"])' "$pair")
   osd-serve bench --target "$t" --draft "$d" --threads 2 --out "$out/engine_data_pair.json" >/dev/null
 fi
-python -m osd_serve.bench "$out"/engine_*.json | tee benchmarks/ENGINE.md
+{
+  printf '# Engine benchmark (issue 2)\n\nRegenerate with `bash benchmarks/run_engine_bench.sh` (builds the pairs if needed; the data pair\n'
+  printf 'needs `../shared/datasets`). Raw reports are in `results/engine_*.json`; each pair is one run.\n\n'
+  python -m osd_serve.bench "$out"/engine_*.json
+} | tee benchmarks/ENGINE.md
