@@ -76,8 +76,9 @@ def main() -> None:
     from osd_serve.disagg import ProposeItem, Sampling
     from osd_serve.loading import ModelConfig, load_pair, pair_limits
 
+    # Draft-ahead off on both sides, so the served calls do exactly the in-process calls' work.
     cfg = {"topology": "disaggregated", "distill": {"enabled": False}, "wandb": {"mode": "disabled"},
-           "num_speculative_tokens": a.k}
+           "num_speculative_tokens": a.k, "draft_ahead": False}
     pair = build_pair()
     tpath, dpath = pair["target"], pair["draft"]
     target, draft, tok = load_pair(ModelConfig(target=tpath, draft=dpath, device="cpu"))

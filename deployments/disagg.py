@@ -20,6 +20,7 @@ import os
 import secrets
 import time
 import uuid
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -81,16 +82,20 @@ class DraftPool(_Batched):
 
     @serve.multiplexed(max_num_models_per_replica=64)
     async def get_worker(self, expert: str) -> DraftWorker:
-        from osd_serve.service import expert_draft
-
         if expert not in self.adapters:
             raise ValueError(f"expert: unknown expert {expert!r}")
-        draft = await self._run(expert_draft, self.base, self.adapters[expert])
+        return await self._run(self._new_worker, expert)
+
+    def _new_worker(self, expert: str) -> DraftWorker:
+        # On the torch thread, in one go: a swap the watcher queues meanwhile runs after this, in order.
+        from osd_serve.service import expert_draft
+
+        draft = expert_draft(self.base, self.adapters[expert])
         worker = self.workers[expert] = DraftWorker(draft, self.vocab, ahead=self.cfg.draft_ahead)
         if self.watcher is not None:
-            version, state = await self._run(self.watcher.watch, expert, draft.state_dict)
+            version, state = self.watcher.watch(expert, draft.state_dict)
             if state is not None:
-                await self._run(worker.swap, state, version)
+                worker.swap(state, version)
             worker.version = version
         return worker
 
@@ -113,6 +118,12 @@ class Verifier(_Batched):
         from osd_serve.telemetry import Telemetry
 
         self.cfg = AppConfig.model_validate(cfg)
+        self.recomputed = 0
+        self.live: dict[str, str] = {}  # sequence id -> expert, until released
+        # Released ids, newest last: a verify already queued when its client went away must not bring
+        # the sequence back. (Its cache row and record trace are bounded by the core's LRU caps.)
+        self.released: OrderedDict[str, None] = OrderedDict()
+        self.versions: dict[str, int] = {}  # expert -> the draft version of the latest proposal verified
         target, vocab, _ = _load(self.cfg, "target")
         recorder = None
         tag = serve.get_replica_context().replica_id.unique_id
@@ -128,20 +139,17 @@ class Verifier(_Batched):
         w = self.cfg.wandb
         self.telemetry = Telemetry(w.mode, w.project, w.dir, w.log_every_s,
                                    config=self.cfg.model_dump(exclude={"api_key", "admin_key"}), name=f"osd-verifier-{tag}")
-        self.recomputed = 0
-        self.live: dict[str, str] = {}  # sequence id -> expert, until released
-        self.versions: dict[str, int] = {}  # expert -> the newest draft version seen in a proposal
         self._configure(self.verify, self.cfg)
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.002)
     async def verify(self, items: list[VerifyItem]) -> list[Verdict]:
+        self.live.update((it.seq_id, it.expert) for it in items if it.seq_id not in self.released)
         verdicts, stats = await self._run(self.core.verify, items)
         self.recomputed += sum(v.recomputed for v in verdicts)
-        self.live.update((it.seq_id, it.expert) for it in items)
         for expert, st in stats.items():
             self.telemetry.on_step(expert, st)
         for it in items:
-            if it.draft_version > self.versions.get(it.expert, -1):
+            if it.draft and it.draft_version != self.versions.get(it.expert):  # a swap, or a rollback
                 self.versions[it.expert] = it.draft_version
                 self.telemetry.on_event(it.expert, version=it.draft_version)
         return verdicts
@@ -153,6 +161,9 @@ class Verifier(_Batched):
 
         self.telemetry.on_request(expert, latency_s)
         self.live.pop(seq_id, None)
+        self.released[seq_id] = None
+        while len(self.released) > 4096:
+            self.released.popitem(last=False)
         await self._run(self.core.release, seq_id)
         if prompt_ids is not None:
             send_record(self.buffer, await self._run(self.core.finish, seq_id, prompt_ids, output_ids))
@@ -161,11 +172,12 @@ class Verifier(_Batched):
         self.telemetry.maybe_log(force=True)  # closes the window, as in SpecService.admin_metrics
         return {"history": self.telemetry.history[-500:], "recomputed_tokens": self.recomputed}
 
-    def running(self) -> dict[str, int]:
-        """Sequences holding a KV cache on this replica, per expert."""
-        out: dict[str, int] = {}
+    def running(self) -> dict:
+        """Per expert: sequences holding a KV cache on this replica, and the draft version serving it
+        (that of the latest proposal verified here; None before any)."""
+        out = {e: {"running": 0, "serving_version": v} for e, v in self.versions.items()}
         for e in self.live.values():
-            out[e] = out.get(e, 0) + 1
+            out.setdefault(e, {"running": 0, "serving_version": None})["running"] += 1
         return out
 
 
@@ -231,11 +243,18 @@ class DisaggBackend:
         running = await self.verifier.running.remote()
         out = {}
         for e in self.experts():
-            out[e] = {"topology": "disaggregated", "running": running.get(e, 0)}
+            seen = running.get(e, {})
+            # serving_version: what the verifier saw proposals come from, i.e. what DraftPool serves
+            # (the store's current version reaches DraftPool at its next poll).
+            out[e] = {"topology": "disaggregated", "running": seen.get("running", 0),
+                      "serving_version": seen.get("serving_version")}
             if self.cfg.distill.enabled:
-                store = VersionStore(_versions_dir(self.cfg) / e)
-                out[e].update(serving_version=store.refresh(), versions=store.versions)
+                out[e]["versions"] = await asyncio.to_thread(self._versions, e)
         return {"experts": out}
+
+    def _versions(self, expert: str) -> list[int]:
+        path = _versions_dir(self.cfg) / expert
+        return VersionStore(path).versions if path.exists() else []
 
     async def admin_metrics(self):
         if not self._ready:
@@ -247,7 +266,7 @@ class DisaggBackend:
         # version): rolling its manifest back is what they all pick up at their next poll.
         if not self.cfg.distill.enabled:
             raise ValueError("rollback: distill.enabled is false, so there are no draft versions")
-        version, _ = await asyncio.to_thread(VersionStore(_versions_dir(self.cfg) / expert).rollback, to)
+        version, _ = await asyncio.to_thread(lambda: VersionStore(_versions_dir(self.cfg) / expert).rollback(to))
         return {"expert": expert, "serving_version": version}
 
     async def admin_update(self, expert):

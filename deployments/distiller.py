@@ -1,9 +1,10 @@
 """Cluster-wide distillation: a replay buffer actor over Ray's object store, and a controller that
 runs Ray Train jobs on capacity serving leaves idle, guards them, and publishes draft versions.
 
-    SpecServer replicas --record--> ReplayBufferActor: ray.put into the object store; keeps refs + sizes
+    SpecServer replicas (colocated) or Verifier replicas (disaggregated)
+        --record--> ReplayBufferActor: ray.put into the object store; keeps refs + sizes
     DistillController: buffer due? + spare capacity? -> TorchTrainer(N workers) -> guard -> VersionStore
-    SpecServer replicas poll the VersionStore and hot-swap (osd_serve/service.py)
+    SpecServer / DraftPool replicas poll the VersionStore and hot-swap (osd_serve/distill/versions.py:VersionWatcher)
 
 Records live in the object store: the buffer actor puts them there (so it owns them, and a replica
 that dies does not take its records along) and holds only their refs and byte sizes. The byte bound, the size/age
@@ -12,6 +13,7 @@ triggers and FIFO/reservoir eviction are the core ReplayBuffer's, applied to the
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import tempfile
@@ -24,6 +26,7 @@ import ray
 
 from osd_serve.distill.replay import BufferConfig, ReplayBuffer
 
+logger = logging.getLogger("ray.serve")
 BUFFER_NAME, CONTROLLER_NAME, NAMESPACE = "osd-replay-buffer", "osd-distill-controller", "osd-serve"
 
 
@@ -192,17 +195,21 @@ class DistillController:
         serving = AutoModelForCausalLM.from_pretrained(self.draft_path)
         if store.refresh() is None:
             store.publish({n: t.clone() for n, t in serving.state_dict().items()}, {"reason": "initial draft"})
-        serving.load_state_dict(store.load(), strict=False)
-        state_path = str(store.path(store.current) / "draft.safetensors")
+        base = store.current  # the version this job trains from
+        serving.load_state_dict(store.load(base), strict=False)
+        state_path = str(store.path(base) / "draft.safetensors")
         state = run_train_job(plan, refs[:-n_held], self.draft_path, state_path, self.train_cfg, self.steps,
                               str(self.versions_dir / "ray_train"))
         candidate = AutoModelForCausalLM.from_pretrained(self.draft_path)
         candidate.load_state_dict(state, strict=False)
         vocab = serving.get_output_embeddings().weight.shape[0]
         verdict = check(candidate, serving, ray.get(refs[-n_held:]), vocab, GuardConfig(), candidate_state=state)
-        version = store.publish(state, {"trigger": why, "plan": plan, "candidate": verdict.candidate,
-                                        "serving": verdict.serving}) if verdict.publish else None
-        return {"expert": expert, "trigger": why, "plan": plan, "published": verdict.publish, "reason": verdict.reason,
+        version, reason = None, verdict.reason
+        if verdict.publish:  # only over the version it was trained from: a rollback meanwhile wins
+            version = store.publish(state, {"trigger": why, "plan": plan, "candidate": verdict.candidate,
+                                            "serving": verdict.serving}, expect_current=base)
+            reason = reason if version is not None else f"version {base} is no longer current (rolled back or replaced)"
+        return {"expert": expert, "trigger": why, "plan": plan, "published": version is not None, "reason": reason,
                 "version": version, "candidate": verdict.candidate, "serving": verdict.serving, "time": t0,
                 "seconds": time.time() - t0}
 
@@ -233,8 +240,11 @@ def start_heartbeat(controller, tag: str, load, every_s: float = 2.0) -> None:
 
     def beat() -> None:
         while True:
-            ongoing, capacity = load()
-            controller.heartbeat.remote(tag, ongoing, capacity)
+            try:
+                ongoing, capacity = load()
+                controller.heartbeat.remote(tag, ongoing, capacity)
+            except Exception as e:  # noqa: BLE001  a missed beat is harmless; a dead thread is not
+                logger.warning("distill heartbeat from %s failed: %r", tag, e)
             time.sleep(every_s)
 
     threading.Thread(target=beat, name="osd-heartbeat", daemon=True).start()

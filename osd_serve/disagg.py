@@ -187,7 +187,7 @@ class DraftWorker:
                 todo.append(i)
                 self.misses += base is not None
             else:
-                out[i] = Proposal([], None)
+                out[i] = Proposal([], None, self.version)
         if todo:
             run = [items[i] for i in todo]
             for i, p in zip(todo, self._draft(run, [it.history for it in run], [it.k for it in run], _DRAFT)):

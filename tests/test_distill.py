@@ -179,9 +179,15 @@ def test_watcher_swaps_in_what_another_process_publishes(tmp_path, models):
     w.poll()
     assert [(e, v) for e, v, _ in applied] == [("sql", 1), ("sql", 0)]  # ...and every watcher follows
     # A replica started later serves the store's current version from the start.
-    v, st = VersionWatcher(tmp_path, None, poll_s=3600).watch("sql", lambda: trained)
+    late = VersionWatcher(tmp_path, None, poll_s=3600)
+    v, st = late.watch("sql", lambda: trained)
     assert v == 0 and torch.equal(st["lm_head.weight"], base["lm_head.weight"])
-    w.close()
+    # A candidate trained from version 1 is not published over the rollback to 0.
+    assert VersionStore(tmp_path / "sql").publish(trained, expect_current=1) is None
+    # Publishing after a rollback numbers on (2): v1 is still kept, and a rollback to it stays possible.
+    assert VersionStore(tmp_path / "sql").publish(trained, expect_current=0) == 2
+    for x in (w, late):
+        x.close()
 
 
 @pytest.fixture(scope="module")

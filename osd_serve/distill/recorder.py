@@ -34,7 +34,8 @@ class RequestTrace:
     expert: str = "default"
     tested: int = 0  # draft positions the target checked (accepted ones + the first rejected)
     accepted: int = 0
-    expected: float = 0.0  # sum over tested positions of sum_x min(p(x), q(x)), raw distributions
+    expected: float = 0.0  # sum over tested positions of sum_x min(p(x), q(x)): raw p and q colocated;
+    # the disaggregated verifier has only the processed q (one-hot under greedy)
     steps: int = 0
     emitted: int = 0
     draft_version: int = 0  # the version that served the request's last step
@@ -87,11 +88,12 @@ class Recorder:
         k = q.shape[1]
         overlap = torch.minimum(p[:, :k], q).sum(-1)  # [B, k]
         for i, ((rid, expert), a, kr) in enumerate(zip(keys, n_acc, k_rows)):
-            tr = self.traces.get(rid)
-            if tr is None:
-                tr = self.traces[rid] = RequestTrace(rid, expert)
-                while len(self.traces) > self.max_traces:  # requests that never finished here (moved away)
-                    self.traces.pop(next(iter(self.traces)))
+            # Least recently observed last: over max_traces, what goes is a request not seen for longest
+            # (one that moved to another replica and never finished here), never a live one.
+            tr = self.traces.pop(rid, None) or RequestTrace(rid, expert)
+            self.traces[rid] = tr
+            while len(self.traces) > self.max_traces:
+                self.traces.pop(next(iter(self.traces)))
             tested = a + (a < kr)  # the draft positions whose context was on the target's path
             tr.tested += tested
             tr.accepted += a

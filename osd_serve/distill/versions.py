@@ -12,7 +12,10 @@ Only safetensors: nothing here is ever unpickled.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -22,6 +25,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+
+logger = logging.getLogger(__name__)
 
 
 class VersionStore:
@@ -57,10 +62,32 @@ class VersionStore:
         tmp.write_text(json.dumps(self.manifest, indent=2))
         os.replace(tmp, self.root / "manifest.json")
 
-    def publish(self, state: dict[str, torch.Tensor], meta: dict | None = None, adapter_writer=None) -> int:
+    @contextlib.contextmanager
+    def _locked(self):
+        """Every read-modify-write of the manifest holds this file lock and starts from the manifest on
+        disk: replicas, the cluster controller and admin rollbacks share one store."""
+        with open(self.root / ".lock", "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                self.refresh()
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    def publish(self, state: dict[str, torch.Tensor], meta: dict | None = None, adapter_writer=None,
+                expect_current: int | None | str = "any") -> int | None:
         """Write a new version and make it current; returns its number. adapter_writer(dir), if
-        given, writes the LoRA adapter into the version's adapter/ folder."""
-        version = max(self.manifest["versions"], default=-1) + 1
+        given, writes the LoRA adapter into the version's adapter/ folder. expect_current: publish only
+        if the current version is still this one (a candidate trained from it), else return None."""
+        with self._locked():
+            if expect_current != "any" and self.current != expect_current:
+                return None
+            return self._publish(state, meta, adapter_writer)
+
+    def _publish(self, state, meta, adapter_writer) -> int:
+        # Above every number ever used, also those a rollback left out of the manifest.
+        on_disk = [int(p.name[1:]) for p in self.root.glob("v[0-9]*") if p.name[1:].isdigit()]
+        version = max(self.manifest["versions"] + on_disk, default=-1) + 1
         tmp = Path(tempfile.mkdtemp(prefix=".tmp-v", dir=self.root))
         try:
             save_file({n: t.detach().cpu().contiguous() for n, t in state.items()}, str(tmp / "draft.safetensors"))
@@ -90,6 +117,12 @@ class VersionStore:
 
     def rollback(self, to: int | None = None) -> tuple[int, dict[str, torch.Tensor]]:
         """Make an older kept version current (default: the one before current); returns it and its weights."""
+        with self._locked():
+            return self._rollback(to)
+
+    def _rollback(self, to: int | None) -> tuple[int, dict[str, torch.Tensor]]:
+        if self.current is None:
+            raise ValueError("no draft versions yet")
         vs = self.manifest["versions"]
         if to is None:
             i = vs.index(self.current)
@@ -117,6 +150,7 @@ class VersionWatcher:
         self.root, self.apply, self.poll_s, self.on_swap = Path(root), apply, poll_s, on_swap
         self.stores: dict[str, VersionStore] = {}
         self.serving: dict[str, int | None] = {}
+        self.failed: set[tuple[str, int]] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -127,10 +161,9 @@ class VersionWatcher:
         to load now, or None when it is the initial draft itself); the caller loads it, on its own thread."""
         store = VersionStore(self.root / expert)
         state = None
-        if store.refresh() is None:
-            store.publish({n: t.clone() for n, t in initial_state().items()}, {"reason": "initial draft"})
-        else:  # a restart, or a replica added later: serve what the store says the others serve
-            state = store.load()
+        initial = {n: t.clone() for n, t in initial_state().items()} if store.refresh() is None else None
+        if initial is None or store.publish(initial, {"reason": "initial draft"}, expect_current=None) is None:
+            state = store.load()  # a restart, or another replica was first: serve what the store says
         with self._lock:
             self.stores[expert], self.serving[expert] = store, store.current
             if self._thread is None:
@@ -144,13 +177,20 @@ class VersionWatcher:
         for expert, store in items:
             try:
                 v = store.refresh()
-                if v is not None and v != self.serving.get(expert):
-                    self.apply(expert, store.load(v), v)
-                    self.serving[expert] = v
-                    if self.on_swap is not None:
-                        self.on_swap(expert, v)
-            except (OSError, ValueError, KeyError):
+                if v is None or v == self.serving.get(expert) or (expert, v) in self.failed:
+                    continue
+                state = store.load(v)
+            except (OSError, ValueError, KeyError):  # being written or pruned as we read: next poll
                 continue
+            try:
+                self.apply(expert, state, v)
+            except Exception as e:  # noqa: BLE001  a version this draft cannot take: keep serving, say so
+                self.failed.add((expert, v))
+                logger.error("draft version %s of expert %s could not be swapped in: %r", v, expert, e)
+                continue
+            self.serving[expert] = v
+            if self.on_swap is not None:
+                self.on_swap(expert, v)
 
     def rollback(self, expert: str, to: int | None = None) -> int:
         """Make an older kept version current in the shared store; every watcher (this one at its next
