@@ -8,8 +8,10 @@ Three measurements on the embedded default pair, greedy, the same GSM8K prompts,
   serve     the same calls through Ray Serve handles to the real DraftPool and Verifier deployments
             (what the Router does per step: one propose call, one verify call), timed per call.
   echo      a deployment whose @serve.batch method returns its input: Ray Serve's own per-call cost.
+  ahead     serve again, on a second app with draft-ahead on (DraftPool drafts the next step while
+            the Verifier verifies): whether that overlap pays on this machine.
 Per call, serve minus compute is the cost of disaggregation here: routing, (de)serialisation of the
-history, the batch wait, and any draft-ahead work still running on the replica's torch thread.
+history and the batch wait (draft-ahead is off in compute and serve, so both do the same work).
 """
 
 from __future__ import annotations
@@ -109,6 +111,7 @@ def main() -> None:
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     try:
         serve.run(build_app(cfg), name="disagg", route_prefix="/disagg")
+        serve.run(build_app({**cfg, "draft_ahead": True}), name="ahead", route_prefix="/ahead")
 
         @serve.deployment(name="Echo")
         class Echo:
@@ -117,14 +120,17 @@ def main() -> None:
                 return items
 
         echo = serve.run(Echo.bind(), name="echo", route_prefix="/echo")
-        drafts = serve.get_deployment_handle("DraftPool", "disagg")
-        ver = serve.get_deployment_handle("Verifier", "disagg")
+        def remote(app: str):
+            drafts = serve.get_deployment_handle("DraftPool", app).options(multiplexed_model_id="default")
+            ver = serve.get_deployment_handle("Verifier", app)
 
-        async def remote_propose(it):
-            return await drafts.options(multiplexed_model_id="default").propose.remote(it)
+            async def propose(it):
+                return await drafts.propose.remote(it)
 
-        async def remote_verify(it):
-            return await ver.options(session_id=it.seq_id).verify.remote(it)
+            async def verify(it):
+                return await ver.options(session_id=it.seq_id).verify.remote(it)
+
+            return propose, verify
 
         async def echo_calls(item, n=200):
             ts = []
@@ -134,8 +140,10 @@ def main() -> None:
                 ts.append(time.perf_counter() - t0)
             return _ms(ts)
 
-        asyncio.run(_drive(_requests(tok, texts[:1], params, "warm"), tok, remote_propose, remote_verify))
-        served = asyncio.run(_drive(_requests(tok, texts, params, "serve"), tok, remote_propose, remote_verify))
+        for app in ("disagg", "ahead"):
+            asyncio.run(_drive(_requests(tok, texts[:1], params, f"warm-{app}"), tok, *remote(app)))
+        served = asyncio.run(_drive(_requests(tok, texts, params, "serve"), tok, *remote("disagg")))
+        ahead = asyncio.run(_drive(_requests(tok, texts, params, "ahead"), tok, *remote("ahead")))
         hist = tok.encode(texts[0]) + [0] * a.max_tokens
         echo_ms = asyncio.run(echo_calls(ProposeItem("x", hist, a.k, Sampling())))
     finally:
@@ -143,15 +151,19 @@ def main() -> None:
         ray.shutdown()
     print(f"serve:   propose {served['propose']['mean_ms']:.1f} ms, verify {served['verify']['mean_ms']:.1f} ms, "
           f"step {served['step_ms']:.1f} ms", flush=True)
+    print(f"ahead:   propose {ahead['propose']['mean_ms']:.1f} ms, verify {ahead['verify']['mean_ms']:.1f} ms, "
+          f"step {ahead['step_ms']:.1f} ms (draft-ahead on)", flush=True)
     print(f"echo:    {echo_ms['mean_ms']:.1f} ms per call (p50 {echo_ms['p50_ms']:.1f})", flush=True)
     report = {
         "pair": {"target": tpath, "draft": dpath}, "k": a.k, "requests": a.requests, "max_tokens": a.max_tokens,
-        "compute": compute, "serve": served, "echo": echo_ms,
+        "compute": compute, "serve": served, "serve_draft_ahead": ahead, "echo": echo_ms,
+        "draft_ahead_step_over_plain_step": ahead["step_ms"] / served["step_ms"],
         "overhead_ms_per_step": served["step_ms"] - compute["step_ms"],
         "serve_step_over_compute_step": served["step_ms"] / compute["step_ms"],
         "same_steps": served["steps"] == compute["steps"],
     }
-    print(json.dumps({k: report[k] for k in ("overhead_ms_per_step", "serve_step_over_compute_step", "same_steps")}))
+    print(json.dumps({k: report[k] for k in ("overhead_ms_per_step", "serve_step_over_compute_step", "same_steps",
+                                             "draft_ahead_step_over_plain_step")}))
     if a.out:
         Path(a.out).write_text(json.dumps(report, indent=1))
 

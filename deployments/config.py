@@ -61,7 +61,10 @@ class AppConfig(_Strict):
     # colocated: draft and target in one replica (lowest latency per request). disaggregated: a draft
     # pool and a target verifier as separate deployments, one call each per speculation step.
     topology: Literal["colocated", "disaggregated"] = "colocated"
-    draft_ahead: bool = True  # disaggregated: draft the next step while the target verifies this one
+    # disaggregated: draft the next step while the target verifies this one. auto: only where the draft
+    # runs on a GPU; on shared CPU cores it competes with the verifier (a step measured 1.10x slower,
+    # benchmarks/results/disagg_overhead.json).
+    draft_ahead: bool | Literal["auto"] = "auto"
     batch_wait_timeout_s: float = Field(0.002, ge=0, le=1)  # disaggregated: @serve.batch's wait for a fuller batch
     experts: list[ExpertConfig] = [ExpertConfig(name="default")]
     default_expert: str = "default"

@@ -91,7 +91,10 @@ class DraftPool(_Batched):
         from osd_serve.service import expert_draft
 
         draft = expert_draft(self.base, self.adapters[expert])
-        worker = self.workers[expert] = DraftWorker(draft, self.vocab, ahead=self.cfg.draft_ahead)
+        ahead = self.cfg.draft_ahead
+        if ahead == "auto":
+            ahead = next(draft.parameters()).device.type == "cuda"
+        worker = self.workers[expert] = DraftWorker(draft, self.vocab, ahead=ahead)
         if self.watcher is not None:
             version, state = self.watcher.watch(expert, draft.state_dict)
             if state is not None:

@@ -184,6 +184,9 @@ def test_config_errors_name_the_field():
     with pytest.raises(ValueError, match="distill.backend: the disaggregated topology distils with backend ray_train"):
         parse_config({"topology": "disaggregated"})  # distillation is on by default, with backend local
     assert parse_config({"topology": "disaggregated", "distill": {"backend": "ray_train"}}).distill.enabled
+    with pytest.raises(ValueError, match="draft_ahead"):
+        parse_config({"draft_ahead": "sometimes"})
+    assert parse_config({"draft_ahead": False}).draft_ahead is False and parse_config({}).draft_ahead == "auto"
     yaml = pytest.importorskip("yaml")
     for path in ("serve_config.yaml", "serve_config.disaggregated.yaml"):  # the shipped configs validate
         parse_config(yaml.safe_load((Path(__file__).resolve().parents[1] / path).read_text())["applications"][0]["args"])

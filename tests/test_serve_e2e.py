@@ -55,7 +55,7 @@ def server(tmp_path_factory):
     # The disaggregated topology as a second application in the same cluster, under /disagg.
     dis = yaml.safe_load((ROOT / "serve_config.disaggregated.yaml").read_text())["applications"][0]
     dis["args"].update(target=str(tmp / "target"), draft=str(tmp / "draft"), api_key=KEY, admin_key=ADMIN,
-                       num_speculative_tokens=3, wandb=app["args"]["wandb"])
+                       num_speculative_tokens=3, wandb=app["args"]["wandb"], draft_ahead=True)  # auto is off on CPU
     # Distillation through the cluster: buffer actor, controller, a Ray Train job, hot-swap in DraftPool.
     dis["args"]["distill"].update(trigger_records=4, trigger_age_s=2, versions_dir=str(tmp / "versions-disagg"),
                                   mode="full", lr=3e-3)
