@@ -19,31 +19,38 @@ from .engine import SpecEngine
 from .kv import BatchKV
 
 
-def analytic_speedup(alpha: float, k: int, c: float) -> float:
-    """S = (1 - α^(k+1)) / ((1 - α)(k·c + 1)), Leviathan et al.; α=1 is the limit (k+1)/(k·c+1)."""
+def analytic_speedup(alpha: float, k: int, c: float, verify_cost: float = 1.0) -> float:
+    """S = (1 - α^(k+1)) / ((1 - α)(k·c + v)), Leviathan et al.; α=1 is the limit (k+1)/(k·c+v).
+
+    v = verify_cost, one target forward over k+1 tokens ÷ one over a single token. The paper's S
+    takes v = 1 (verification is as cheap as decoding, true while decoding is bound by reading the
+    weights); the bench also reports S with v measured, which shows how much of the gap between
+    measured and analytic is the target's own cost growth rather than engine overhead.
+    """
     tokens = k + 1 if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
-    return tokens / (k * c + 1)
+    return tokens / (k * c + verify_cost)
 
 
 @torch.inference_mode()
-def forward_cost(model, batch: int, context: int, vocab: int, device, repeats: int = 30) -> float:
-    """Median seconds of one decode forward (1 new token per row) over a KV cache of ``context`` tokens."""
+def forward_cost(model, batch: int, context: int, vocab: int, device, repeats: int = 30, tokens: int = 1) -> float:
+    """Median seconds of one forward appending ``tokens`` new tokens per row to a KV cache of
+    ``context`` tokens (1: a decode step; k+1: a verification)."""
     kv = BatchKV(model, batch, device)
     ctx = torch.randint(0, vocab, (batch, context), device=device)
     kv.forward(ctx, torch.ones_like(ctx, dtype=torch.bool))
-    one = torch.ones(batch, 1, dtype=torch.bool, device=device)
+    new = torch.ones(batch, tokens, dtype=torch.bool, device=device)
     times = []
     for i in range(repeats + 3):
-        tok = torch.randint(0, vocab, (batch, 1), device=device)
+        tok = torch.randint(0, vocab, (batch, tokens), device=device)
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        kv.forward(tok, one)
+        kv.forward(tok, new)
         if device.type == "cuda":
             torch.cuda.synchronize()
         if i >= 3:  # warm-up
             times.append(time.perf_counter() - t0)
-        kv.truncate(kv.length - 1)  # keep the context length fixed
+        kv.truncate(kv.length - tokens)  # keep the context length fixed
         kv.compact()
     return statistics.median(times)
 
@@ -59,6 +66,8 @@ class DecoderResult:
     acceptance_rate: float | None = None  # accepted / proposed (vLLM's draft acceptance rate)
     tokens_per_target_forward: float | None = None
     analytic_speedup: float | None = None
+    verify_cost: float | None = None  # v: target forward over k+1 tokens ÷ over 1 (see analytic_speedup)
+    analytic_speedup_measured_v: float | None = None  # S with that v instead of 1
     outputs_match_target: int | None = None  # prompts whose output equals the target-alone output
 
     @property
@@ -107,7 +116,9 @@ def run_bench(target, draft, tok, prompts: list[str], max_tokens: int = 64, batc
     _hf_generate(target, tok, ids[:1], 4, 1, assistant=draft)
     SpecEngine(target, draft, tok).generate(ids[:1], SamplingParams(max_tokens=4))
     for bs in batch_sizes:
-        c = forward_cost(draft, bs, ctx, vocab, device) / forward_cost(target, bs, ctx, vocab, device)
+        t1 = forward_cost(target, bs, ctx, vocab, device)
+        c = forward_cost(draft, bs, ctx, vocab, device) / t1
+        v = {k: forward_cost(target, bs, ctx, vocab, device, tokens=k + 1) / t1 for k in ks}
         ref, t_a = _timed(lambda: _hf_generate(target, tok, ids, max_tokens, bs))
         a = DecoderResult("target_alone_hf", bs, sum(map(len, ref)), t_a)
         hf_asst, t_b = _timed(lambda: _hf_generate(target, tok, ids, max_tokens, bs, assistant=draft))
@@ -128,6 +139,8 @@ def run_bench(target, draft, tok, prompts: list[str], max_tokens: int = 64, batc
                 acceptance_rate=accepted / proposed if proposed else None,
                 tokens_per_target_forward=sum(s.emitted for s in stats) / row_steps,
                 analytic_speedup=analytic_speedup(alpha, k, c) if k else 1.0,
+                verify_cost=v[k] if k else 1.0,
+                analytic_speedup_measured_v=analytic_speedup(alpha, k, c, v[k]) if k else 1.0,
                 outputs_match_target=sum(o.token_ids == y for o, y in zip(outs, ref)),
             )
             results.append(r)
@@ -148,12 +161,16 @@ def run_bench(target, draft, tok, prompts: list[str], max_tokens: int = 64, batc
             "analytic_speedup_at_best_k": best.analytic_speedup,
             # measured over analytic, with the plain-decoding baseline of the same loop (k=0)
             "measured_over_analytic": (best.tokens_per_s / k0.tokens_per_s) / best.analytic_speedup,
+            "verify_cost_at_best_k": best.verify_cost,
+            "measured_over_analytic_measured_v": (best.tokens_per_s / k0.tokens_per_s) / best.analytic_speedup_measured_v,
             "per_k": {
                 k: {
                     "tok_s": r.tokens_per_s, "alpha": r.alpha, "tokens_per_target_forward": r.tokens_per_target_forward,
                     "analytic_speedup": r.analytic_speedup, "speedup_vs_target_alone": r.tokens_per_s / a.tokens_per_s,
                     "speedup_vs_hf_assisted": r.tokens_per_s / b.tokens_per_s,
                     "measured_over_analytic": (r.tokens_per_s / k0.tokens_per_s) / r.analytic_speedup,
+                    "verify_cost": r.verify_cost, "analytic_speedup_measured_v": r.analytic_speedup_measured_v,
+                    "measured_over_analytic_measured_v": (r.tokens_per_s / k0.tokens_per_s) / r.analytic_speedup_measured_v,
                     "outputs_match_target": r.outputs_match_target,
                 }
                 for k, r in per_k.items() if k
@@ -172,6 +189,10 @@ def run_bench(target, draft, tok, prompts: list[str], max_tokens: int = 64, batc
     }
 
 
+def _f(x: float | None) -> str:
+    return "–" if x is None else f"{x:.2f}"  # reports written before v was measured lack it
+
+
 def summary_table(report: dict, title: str) -> str:
     """A markdown table of one bench report's summary (what the closing notes and benchmarks/ show)."""
     rows = [
@@ -179,23 +200,30 @@ def summary_table(report: dict, title: str) -> str:
         f"target {report['target_params'] / 1e6:.1f}M params, draft {report['draft_params'] / 1e6:.2f}M, "
         f"{report['prompts']} prompts x {report['max_tokens']} tokens, {report['device']}, {report['threads']} threads",
         "",
-        "| batch | c | best k | α | target alone tok/s | HF assisted tok/s | engine k=0 tok/s | engine tok/s | (c)/(a) | (c)/(b) | analytic S | measured/analytic |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| batch | c | best k | α | target alone tok/s | HF assisted tok/s | engine k=0 tok/s | engine tok/s | (c)/(a) | (c)/(b) | analytic S | measured/analytic | v | measured/S(v) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, s in report["summary"].items():
         rows.append(
             f"| {name.split('_')[1]} | {s['c']:.3f} | {s['best_k']} | {s['alpha_at_best_k']:.3f} | {s['target_alone_tok_s']:.1f} | "
             f"{s['hf_assisted_tok_s']:.1f} | {s['engine_k0_tok_s']:.1f} | {s['best_engine_tok_s']:.1f} | "
             f"{s['speedup_vs_target_alone']:.2f} | {s['speedup_vs_hf_assisted']:.2f} | {s['analytic_speedup_at_best_k']:.2f} | "
-            f"{s['measured_over_analytic']:.2f} |"
+            f"{s['measured_over_analytic']:.2f} | {_f(s.get('verify_cost_at_best_k'))} | {_f(s.get('measured_over_analytic_measured_v'))} |"
         )
-    rows += ["", "| batch | k | α | tokens/target fwd | analytic S | (c)/(a) | (c)/(b) | measured/analytic | outputs = target |", "|---|---|---|---|---|---|---|---|---|"]
+    rows += [
+        "",
+        "v = one target forward over k+1 tokens ÷ one over 1 token (the paper's S assumes v = 1); S(v) puts the measured v in.",
+        "",
+        "| batch | k | α | tokens/target fwd | analytic S | (c)/(a) | (c)/(b) | measured/analytic | v | S(v) | measured/S(v) | outputs = target |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, s in report["summary"].items():
         for k, r in s["per_k"].items():
             rows.append(
                 f"| {name.split('_')[1]} | {k} | {r['alpha']:.3f} | {r['tokens_per_target_forward']:.2f} | {r['analytic_speedup']:.2f} | "
                 f"{r['speedup_vs_target_alone']:.2f} | {r['speedup_vs_hf_assisted']:.2f} | {r['measured_over_analytic']:.2f} | "
-                f"{r['outputs_match_target']}/{report['prompts']} |"
+                f"{_f(r.get('verify_cost'))} | {_f(r.get('analytic_speedup_measured_v'))} | "
+                f"{_f(r.get('measured_over_analytic_measured_v'))} | {r['outputs_match_target']}/{report['prompts']} |"
             )
     return "\n".join(rows)
 

@@ -72,6 +72,10 @@ def test_bench_report_is_complete_and_lossless(tiny_pair, tmp_path):
             r = s["per_k"][k]
             assert 0 <= r["outputs_match_target"] <= 3 and 0 <= r["alpha"] <= 1
             assert 1.0 <= r["tokens_per_target_forward"] <= int(k) + 1 and r["analytic_speedup"] > 0
+            # S(v) is the same formula with the measured verification cost in place of 1
+            tokens = (1 - r["alpha"] ** (int(k) + 1)) / (1 - r["alpha"]) if r["alpha"] < 1 else int(k) + 1
+            assert r["verify_cost"] > 0
+            assert r["analytic_speedup_measured_v"] == pytest.approx(tokens / (int(k) * s["c"] + r["verify_cost"]))
 
 
 def test_replay_writes_result_and_figure(tiny_pair, tmp_path):
@@ -99,3 +103,13 @@ def test_replay_writes_result_and_figure(tiny_pair, tmp_path):
     bad = _cli("replay", "--target", pair["target"], "--draft", pair["draft"], "--data", str(data), "--field", "nope",
                "--out", str(tmp_path / "bad"))
     assert bad.returncode != 0 and "nope" in bad.stderr
+
+
+def test_analytic_speedup_formula():
+    """Leviathan et al.'s S, with v = 1 (the paper) and with a measured verification cost."""
+    from osd_serve.bench import analytic_speedup
+
+    expected_tokens = (1 - 0.5**4) / (1 - 0.5)  # 1.875 tokens per step at α = 0.5, k = 3
+    assert analytic_speedup(0.5, 3, 0.1) == pytest.approx(expected_tokens / 1.3)
+    assert analytic_speedup(0.5, 3, 0.1, verify_cost=2.0) == pytest.approx(expected_tokens / 2.3)
+    assert analytic_speedup(1.0, 3, 0.1) == pytest.approx(4 / 1.3)
