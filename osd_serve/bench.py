@@ -104,7 +104,21 @@ def _timed(fn):
     return out, time.perf_counter() - t0
 
 
-def run_bench(target, draft, tok, prompts: list[str], max_tokens: int = 64, batch_sizes=(1, 8), ks=range(1, 9), log=print) -> dict:
+def _engine_run(target, draft, tok, ids, batch: int, max_tokens: int, k: int):
+    """One engine run over all prompts, a fresh engine each time: (completions, per-step stats)."""
+    eng = SpecEngine(target, draft, tok, EngineConfig(max_batch_size=batch))
+    stats: list = []
+    outs = eng.generate(ids, SamplingParams(max_tokens=max_tokens, num_speculative_tokens=k), stats=stats)
+    return outs, stats
+
+
+def run_bench(
+    target, draft, tok, prompts: list[str], max_tokens: int = 64, batch_sizes=(1, 8), ks=range(1, 9), log=print, repeats: int = 1
+) -> dict:
+    """``repeats`` > 1 times every decoder that many times, in interleaved rounds (a, b, engine k=1..K, 0,
+    then again), and keeps each decoder's median time: a slow spell of the machine then hits every
+    decoder alike instead of whichever one happened to run during it. Outputs and acceptance are
+    deterministic (greedy) and taken from the first round."""
     device = next(target.parameters()).device
     vocab = target.get_output_embeddings().weight.shape[0]
     ids = [tok.encode(p) for p in prompts]
@@ -119,23 +133,31 @@ def run_bench(target, draft, tok, prompts: list[str], max_tokens: int = 64, batc
         t1 = forward_cost(target, bs, ctx, vocab, device)
         c = forward_cost(draft, bs, ctx, vocab, device) / t1
         v = {k: forward_cost(target, bs, ctx, vocab, device, tokens=k + 1) / t1 for k in ks}
-        ref, t_a = _timed(lambda: _hf_generate(target, tok, ids, max_tokens, bs))
-        a = DecoderResult("target_alone_hf", bs, sum(map(len, ref)), t_a)
-        hf_asst, t_b = _timed(lambda: _hf_generate(target, tok, ids, max_tokens, bs, assistant=draft))
-        b = DecoderResult("hf_assisted", bs, sum(map(len, hf_asst)), t_b, outputs_match_target=sum(x == y for x, y in zip(hf_asst, ref)))
+        decoders = {
+            "a": lambda: (_hf_generate(target, tok, ids, max_tokens, bs), None),
+            "b": lambda: (_hf_generate(target, tok, ids, max_tokens, bs, assistant=draft), None),
+        } | {k: (lambda k=k: _engine_run(target, draft, tok, ids, bs, max_tokens, k)) for k in list(ks) + [0]}
+        first, times = {}, {name: [] for name in decoders}
+        for _ in tqdm(range(repeats), desc=f"batch {bs}: {repeats} round(s) of {len(decoders)} decoders"):
+            for name, run in decoders.items():
+                out, dt = _timed(run)
+                first.setdefault(name, out)
+                times[name].append(dt)
+        t = {name: statistics.median(ts) for name, ts in times.items()}
+        ref, hf_asst = first["a"][0], first["b"][0]
+        a = DecoderResult("target_alone_hf", bs, sum(map(len, ref)), t["a"])
+        b = DecoderResult("hf_assisted", bs, sum(map(len, hf_asst)), t["b"], outputs_match_target=sum(x == y for x, y in zip(hf_asst, ref)))
         results += [a, b]
         log(f"[batch {bs}] c={c:.3f}  target alone {a.tokens_per_s:.1f} tok/s  HF assisted {b.tokens_per_s:.1f} tok/s")
         per_k = {}
-        for k in tqdm(list(ks) + [0], desc=f"engine k=1..{max(ks)},0 batch {bs}"):
-            eng = SpecEngine(target, draft, tok, EngineConfig(max_batch_size=bs))
-            stats: list = []
-            outs, t_c = _timed(lambda: eng.generate(ids, SamplingParams(max_tokens=max_tokens, num_speculative_tokens=k), stats=stats))
+        for k in list(ks) + [0]:
+            outs, stats = first[k]
             proposed, accepted = sum(s.proposed for s in stats), sum(s.accepted for s in stats)
             row_steps = sum(s.batch_size for s in stats)
             tested = accepted + sum(s.rejected for s in stats)
             alpha = accepted / tested if tested else None  # per-position acceptance, see StepStats.alpha
             r = DecoderResult(
-                "engine" if k else "engine_k0", bs, sum(len(o.token_ids) for o in outs), t_c, k=k, alpha=alpha,
+                "engine" if k else "engine_k0", bs, sum(len(o.token_ids) for o in outs), t[k], k=k, alpha=alpha,
                 acceptance_rate=accepted / proposed if proposed else None,
                 tokens_per_target_forward=sum(s.emitted for s in stats) / row_steps,
                 analytic_speedup=analytic_speedup(alpha, k, c) if k else 1.0,
@@ -182,6 +204,7 @@ def run_bench(target, draft, tok, prompts: list[str], max_tokens: int = 64, batc
         "threads": torch.get_num_threads(),
         "prompts": len(prompts),
         "max_tokens": max_tokens,
+        "repeats": repeats,
         "target_params": sum(p.numel() for p in target.parameters()),
         "draft_params": sum(p.numel() for p in draft.parameters()),
         "summary": summary,
@@ -198,7 +221,8 @@ def summary_table(report: dict, title: str) -> str:
     rows = [
         f"### {title}",
         f"target {report['target_params'] / 1e6:.1f}M params, draft {report['draft_params'] / 1e6:.2f}M, "
-        f"{report['prompts']} prompts x {report['max_tokens']} tokens, {report['device']}, {report['threads']} threads",
+        f"{report['prompts']} prompts x {report['max_tokens']} tokens, {report['device']}, {report['threads']} threads, "
+        f"median of {report.get('repeats', 1)} interleaved run(s) per decoder",
         "",
         "| batch | c | best k | α | target alone tok/s | HF assisted tok/s | engine k=0 tok/s | engine tok/s | (c)/(a) | (c)/(b) | analytic S | measured/analytic | v | measured/S(v) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",

@@ -101,6 +101,8 @@ def cmd_bench(args) -> None:
 
     from .bench import run_bench
 
+    if args.repeats < 1:
+        raise SystemExit(f"error: --repeats must be at least 1, got {args.repeats}")
     if args.threads:
         torch.set_num_threads(args.threads)
     target, draft, tok = _load(args)
@@ -108,7 +110,8 @@ def cmd_bench(args) -> None:
     prompts = prompts[: args.num_prompts]
     ks = range(1, args.max_k + 1)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
-    report = run_bench(target, draft, tok, prompts, args.max_tokens, sizes, ks, log=lambda s: print(s, file=sys.stderr))
+    report = run_bench(target, draft, tok, prompts, args.max_tokens, sizes, ks, log=lambda s: print(s, file=sys.stderr),
+                       repeats=args.repeats)
     report["target"], report["draft"] = args.target, args.draft
     text = json.dumps(report, indent=1)
     if args.out:
@@ -216,6 +219,7 @@ def main(argv: list[str] | None = None) -> None:
     n.add_argument("--batch-sizes", default="1,8")
     n.add_argument("--max-k", type=int, default=8)
     n.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    n.add_argument("--repeats", type=int, default=1, help="time each decoder this many times, interleaved; keep the median")
     n.add_argument("--out", metavar="FILE.json")
     n.set_defaults(fn=cmd_bench)
 

@@ -62,7 +62,7 @@ def test_bench_report_is_complete_and_lossless(tiny_pair, tmp_path):
     _, pair = tiny_pair
     out = tmp_path / "bench.json"
     r = _cli("bench", "--target", pair["target"], "--draft", pair["draft"], "--num-prompts", "3", "--max-tokens", "6",
-             "--batch-sizes", "1,2", "--max-k", "2", "--out", str(out))
+             "--batch-sizes", "1,2", "--max-k", "2", "--repeats", "2", "--out", str(out))
     assert r.returncode == 0, r.stderr
     rep = json.loads(out.read_text())
     for bs in ("batch_1", "batch_2"):
