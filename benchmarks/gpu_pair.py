@@ -41,6 +41,8 @@ def build(out: Path, hidden: int, layers: int, intermediate: int, heads: int, kv
     config = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
                          num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096, **special)
     torch.manual_seed(seed)
+    # Not osd_serve.bootstrap.make_model: it zeroes every residual output (a bigram model at init),
+    # which would make the layer-skip draft equal to the target.
     target = LlamaForCausalLM(config)
     with torch.no_grad():
         for layer in target.model.layers[draft_layers:]:
