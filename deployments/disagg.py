@@ -16,6 +16,8 @@ waits for it, and the event loop stays free for Serve's batching and routing.
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import logging
 import os
 import secrets
 import time
@@ -33,6 +35,7 @@ from osd_serve.output import Request
 
 from .config import AppConfig
 
+IDLE_SEQUENCE_S = 600.0  # see Verifier._forget_idle
 CONSISTENT_HASH = "ray.serve.experimental.consistent_hash_router.ConsistentHashRouter"
 
 
@@ -123,6 +126,7 @@ class Verifier(_Batched):
         self.cfg = AppConfig.model_validate(cfg)
         self.recomputed = 0
         self.live: dict[str, str] = {}  # sequence id -> expert, until released
+        self.last_verified: dict[str, float] = {}  # sequence id -> monotonic time of its latest verify
         # Released ids, newest last: a verify already queued when its client went away must not bring
         # the sequence back. (Its cache row and record trace are bounded by the core's LRU caps.)
         self.released: OrderedDict[str, None] = OrderedDict()
@@ -146,7 +150,11 @@ class Verifier(_Batched):
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.002)
     async def verify(self, items: list[VerifyItem]) -> list[Verdict]:
-        self.live.update((it.seq_id, it.expert) for it in items if it.seq_id not in self.released)
+        now = time.monotonic()
+        for it in items:
+            if it.seq_id not in self.released:
+                self.live[it.seq_id], self.last_verified[it.seq_id] = it.expert, now
+        self._forget_idle(now)
         verdicts, stats = await self._run(self.core.verify, items)
         self.recomputed += sum(v.recomputed for v in verdicts)
         for expert, st in stats.items():
@@ -164,12 +172,21 @@ class Verifier(_Batched):
 
         self.telemetry.on_request(expert, latency_s)
         self.live.pop(seq_id, None)
+        self.last_verified.pop(seq_id, None)
         self.released[seq_id] = None
         while len(self.released) > 4096:
             self.released.popitem(last=False)
         await self._run(self.core.release, seq_id)
         if prompt_ids is not None:
             send_record(self.buffer, await self._run(self.core.finish, seq_id, prompt_ids, output_ids))
+
+    def _forget_idle(self, now: float) -> None:
+        # A sequence is verified every step, so one idle for minutes lost its release (its Router
+        # replica died): stop counting it as running, for /admin/experts and for the distill
+        # controller, which trains on GPUs only while serving leaves them idle. Its cache goes by LRU.
+        for sid in [s for s, t in self.last_verified.items() if now - t > IDLE_SEQUENCE_S]:
+            self.live.pop(sid, None)
+            del self.last_verified[sid]
 
     def metrics(self) -> dict:
         self.telemetry.maybe_log(force=True)  # closes the window, as in SpecService.admin_metrics
@@ -178,6 +195,7 @@ class Verifier(_Batched):
     def running(self) -> dict:
         """Per expert: sequences holding a KV cache on this replica, and the draft version serving it
         (that of the latest proposal verified here; None before any)."""
+        self._forget_idle(time.monotonic())
         out = {e: {"running": 0, "serving_version": v} for e, v in self.versions.items()}
         for e in self.live.values():
             out.setdefault(e, {"running": 0, "serving_version": None})["running"] += 1
@@ -190,6 +208,7 @@ class DisaggBackend:
     def __init__(self, cfg: AppConfig):
         self.cfg = cfg
         self._ready = False
+        self._releasing: set[asyncio.Task] = set()
 
     def _setup(self) -> None:
         # In the Router replica, on first use (this object is pickled with the FastAPI app).
@@ -234,9 +253,22 @@ class DisaggBackend:
                 yield {"text": d.text, "token_ids": d.token_ids, "finished": d.finished, "finish_reason": d.finish_reason,
                        "prompt_tokens": len(ids)}
         finally:  # finished, failed or the client went away: free the sequence on both sides, without waiting
-            drafts.release.remote(req.request_id)
             record = (req.prompt_ids, req.output_ids) if self.cfg.distill.enabled else ()
-            verifier.release.remote(req.request_id, expert, time.perf_counter() - t0, *record)
+            release = self._release(drafts, verifier, req.request_id, expert, time.perf_counter() - t0, record)
+            # In a fresh context, so the calls are not children of this request: when a client goes away,
+            # Ray Serve cancels the request's child calls still pending assignment (Replica._on_request_cancelled),
+            # and a lost release would leave the sequence live on the Verifier.
+            task = asyncio.get_running_loop().create_task(release, context=contextvars.Context())
+            self._releasing.add(task)  # the loop keeps only weak references to tasks
+            task.add_done_callback(self._releasing.discard)
+
+    @staticmethod
+    async def _release(drafts, verifier, seq_id: str, expert: str, latency_s: float, record: tuple) -> None:
+        results = await asyncio.gather(drafts.release.remote(seq_id),
+                                       verifier.release.remote(seq_id, expert, latency_s, *record), return_exceptions=True)
+        for where, r in zip(("DraftPool", "Verifier"), results):
+            if isinstance(r, BaseException):
+                logging.getLogger(__name__).warning("releasing %s on the %s failed: %r", seq_id, where, r)
 
     async def admin_experts(self):
         # Verifier replicas are not addressable one by one through a handle; this asks one of them

@@ -220,3 +220,82 @@ def test_broken_sampler_fails_the_same_test(small, monkeypatch):
     monkeypatch.setattr(disagg, "verify", accept_all)
     stat, df = _chi2(_sampled_counts(target, draft, params), _exact(target, params))
     assert stat > _chi2_critical(df)
+
+
+class _Handle:
+    """A stand-in for a Ray Serve DeploymentHandle that notes which Serve request each call is a child of."""
+
+    def __init__(self, **methods):
+        self.methods, self.calls = methods, []
+
+    def options(self, **_):
+        return self
+
+    def __getattr__(self, name):
+        from ray.serve.context import _get_serve_request_context
+
+        def remote(*args):
+            self.calls.append((name, _get_serve_request_context()._internal_request_id))
+            return asyncio.ensure_future(self.methods[name](*args))
+
+        return type("Method", (), {"remote": staticmethod(remote)})
+
+
+def test_a_request_that_ends_early_still_releases_its_sequence(tok):
+    """Ray Serve cancels the child calls a cancelled request still has pending assignment
+    (Replica._on_request_cancelled). A client that goes away cancels its request, so its releases
+    must not be such children, or the sequence stays live on the Verifier (a flaky e2e failure once)."""
+    serve_context = pytest.importorskip("ray.serve.context")
+    from deployments.config import AppConfig
+    from deployments.disagg import DisaggBackend
+
+    target = llama(len(tok), seed=3)
+    worker, verifier = DraftWorker(perturbed(target, 0.05), len(tok)), TargetVerifier(target, len(tok))
+
+    async def propose(item):
+        return worker.propose([item])[0]
+
+    async def verify(item):
+        return verifier.verify([item])[0][0]
+
+    async def release_draft(seq_id):
+        worker.release(seq_id)
+
+    async def release_target(seq_id, *_):
+        verifier.release(seq_id)
+
+    backend = DisaggBackend(AppConfig())
+    backend.tokenizer, backend.vocab, backend.max_len, backend.eos, backend._ready = tok, len(tok), 512, set(), True
+    backend.drafts = _Handle(propose=propose, release=release_draft)
+    backend.verifier = _Handle(verify=verify, release=release_target)
+
+    async def run():
+        serve_context._serve_request_context.set(serve_context._RequestContext(_internal_request_id="parent"))
+        stream = backend.stream("default", "def g(", SamplingParams(max_tokens=200, num_speculative_tokens=3, ignore_eos=True))
+        await stream.__anext__()
+        await stream.aclose()  # the client went away
+        for _ in range(200):  # the releases run in the background
+            if sum(name == "release" for name, _ in backend.drafts.calls + backend.verifier.calls) == 2:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+
+    asyncio.run(run())
+    calls = backend.drafts.calls + backend.verifier.calls
+    assert {("propose", "parent"), ("verify", "parent")} <= set(calls)  # the steps are the request's own calls
+    releases = [parent for name, parent in calls if name == "release"]
+    assert len(releases) == 2 and "parent" not in releases
+    assert not verifier.caches.tokens and not worker.caches.tokens  # both sides freed the sequence
+
+
+def test_the_verifier_stops_counting_a_sequence_whose_release_never_came(monkeypatch):
+    pytest.importorskip("ray.serve")
+    import deployments.disagg as dd
+
+    v = type("V", (), {})()
+    v.live, v.last_verified = {"a": "default", "b": "sql"}, {"a": 0.0, "b": 500.0}
+    forget = dd.Verifier.func_or_class._forget_idle
+    forget(v, 550.0)  # a verified 550 s ago, b 50 s ago: both within IDLE_SEQUENCE_S
+    assert v.live == {"a": "default", "b": "sql"}
+    forget(v, 601.0)
+    assert v.live == {"b": "sql"} and v.last_verified == {"b": 500.0}
