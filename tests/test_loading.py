@@ -66,8 +66,21 @@ def test_bad_config_values_name_the_field():
         ModelConfig(target="t", draft="d", attn_implementation="magic")
 
 
-def test_attention_backend_on_cpu_is_sdpa():
+@pytest.mark.parametrize("flash_installed", [True, False])
+def test_attention_backend_choice(monkeypatch, flash_installed):
+    """The choice itself, on any machine (tests/test_cuda.py runs the chosen kernels on a GPU):
+    flash-attention-2 on CUDA when flash_attn is installed, else SDPA (whose flash kernel CUDA picks)."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: (object() if flash_installed else None) if name == "flash_attn" else real(name, *a))
+    assert attention_backend(torch.device("cuda")) == ("flash_attention_2" if flash_installed else "sdpa")
     assert attention_backend(torch.device("cpu")) == "sdpa"
+    assert attention_backend(torch.device("cuda"), "sdpa") == "sdpa"  # an explicit choice wins
+    if not flash_installed:
+        with pytest.raises(ValueError, match="flash-attn"):
+            attention_backend(torch.device("cuda"), "flash_attention_2")
 
 
 def test_lora_adapter_attaches_from_safetensors_and_pickle_is_refused(saved_pair, tmp_path):
