@@ -125,8 +125,9 @@ class Verifier(_Batched):
 
         self.cfg = AppConfig.model_validate(cfg)
         self.recomputed = 0
-        self.live: dict[str, str] = {}  # sequence id -> expert, until released
-        self.last_verified: dict[str, float] = {}  # sequence id -> monotonic time of its latest verify
+        # Sequence id -> (expert, monotonic time of its latest verify), until released; least recently
+        # verified first (each verify moves its sequence to the end), so idle ones are found at the front.
+        self.live: dict[str, tuple[str, float]] = {}
         # Released ids, newest last: a verify already queued when its client went away must not bring
         # the sequence back. (Its cache row and record trace are bounded by the core's LRU caps.)
         self.released: OrderedDict[str, None] = OrderedDict()
@@ -153,7 +154,8 @@ class Verifier(_Batched):
         now = time.monotonic()
         for it in items:
             if it.seq_id not in self.released:
-                self.live[it.seq_id], self.last_verified[it.seq_id] = it.expert, now
+                self.live.pop(it.seq_id, None)
+                self.live[it.seq_id] = (it.expert, now)
         self._forget_idle(now)
         verdicts, stats = await self._run(self.core.verify, items)
         self.recomputed += sum(v.recomputed for v in verdicts)
@@ -172,7 +174,6 @@ class Verifier(_Batched):
 
         self.telemetry.on_request(expert, latency_s)
         self.live.pop(seq_id, None)
-        self.last_verified.pop(seq_id, None)
         self.released[seq_id] = None
         while len(self.released) > 4096:
             self.released.popitem(last=False)
@@ -184,9 +185,8 @@ class Verifier(_Batched):
         # A sequence is verified every step, so one idle for minutes lost its release (its Router
         # replica died): stop counting it as running, for /admin/experts and for the distill
         # controller, which trains on GPUs only while serving leaves them idle. Its cache goes by LRU.
-        for sid in [s for s, t in self.last_verified.items() if now - t > IDLE_SEQUENCE_S]:
-            self.live.pop(sid, None)
-            del self.last_verified[sid]
+        while self.live and now - next(iter(self.live.values()))[1] > IDLE_SEQUENCE_S:
+            del self.live[next(iter(self.live))]
 
     def metrics(self) -> dict:
         self.telemetry.maybe_log(force=True)  # closes the window, as in SpecService.admin_metrics
@@ -197,7 +197,7 @@ class Verifier(_Batched):
         (that of the latest proposal verified here; None before any)."""
         self._forget_idle(time.monotonic())
         out = {e: {"running": 0, "serving_version": v} for e, v in self.versions.items()}
-        for e in self.live.values():
+        for e, _ in self.live.values():
             out.setdefault(e, {"running": 0, "serving_version": None})["running"] += 1
         return out
 

@@ -293,9 +293,11 @@ def test_the_verifier_stops_counting_a_sequence_whose_release_never_came(monkeyp
     import deployments.disagg as dd
 
     v = type("V", (), {})()
-    v.live, v.last_verified = {"a": "default", "b": "sql"}, {"a": 0.0, "b": 500.0}
+    v.live = {"a": ("default", 0.0), "b": ("sql", 500.0)}  # least recently verified first, as verify keeps it
     forget = dd.Verifier.func_or_class._forget_idle
     forget(v, 550.0)  # a verified 550 s ago, b 50 s ago: both within IDLE_SEQUENCE_S
-    assert v.live == {"a": "default", "b": "sql"}
+    assert list(v.live) == ["a", "b"]
     forget(v, 601.0)
-    assert v.live == {"b": "sql"} and v.last_verified == {"b": 500.0}
+    assert v.live == {"b": ("sql", 500.0)}
+    forget(v, 1101.0)
+    assert v.live == {}
