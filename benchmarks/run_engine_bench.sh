@@ -1,21 +1,31 @@
 #!/usr/bin/env bash
 # Regenerates the engine benchmark (issue 2) for the two pairs: the embedded default, and a pair
 # trained with --data on ../shared/datasets (GSM8K + Spider + MBPP). Writes JSON into benchmarks/results/.
+# Each pair is benched in float32, and also in bfloat16 where the CPU computes it natively
+# (AVX512-BF16 or AMX): there MKL's fp32 GEMM with 2-9 rows costs up to 2x its 1-row GEMV, while
+# oneDNN's bf16 GEMM is flat in the row count, which is what speculation's one-forward verification
+# assumes (benchmarks/ENGINE.md). DTYPES="float32" (or "bfloat16") runs one only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 D=${OSD_DATASETS:-../shared/datasets}
 out=benchmarks/results
 mkdir -p "$out"
-last_json() { tail -n 1; }
-pair=$(osd-serve bootstrap | last_json)
-t=$(python -c 'import json,sys; print(json.loads(sys.argv[1])["target"])' "$pair")
-d=$(python -c 'import json,sys; print(json.loads(sys.argv[1])["draft"])' "$pair")
-osd-serve bench --target "$t" --draft "$d" --threads 2 --repeats 3 --out "$out/engine_default_pair.json" >/dev/null
+if [ -z "${DTYPES:-}" ]; then
+  DTYPES=float32
+  if grep -q -w -E 'avx512_bf16|amx_bf16' /proc/cpuinfo 2>/dev/null; then DTYPES="float32 bfloat16"; fi
+fi
+bench_pair() {  # NAME PAIR_JSON
+  local t d
+  t=$(python -c 'import json,sys; print(json.loads(sys.argv[1])["target"])' "$2")
+  d=$(python -c 'import json,sys; print(json.loads(sys.argv[1])["draft"])' "$2")
+  for dt in $DTYPES; do
+    suffix=$([ "$dt" = float32 ] && echo "" || echo "_bf16")
+    osd-serve bench --target "$t" --draft "$d" --dtype "$dt" --threads 2 --repeats 3 --out "$out/engine_$1$suffix.json" >/dev/null
+  done
+}
+bench_pair default_pair "$(osd-serve bootstrap | tail -n 1)"
 if [ -d "$D" ]; then
-  pair=$(osd-serve bootstrap --data "$D/gsm8k/train.jsonl" "$D/spider/train_spider.json" "$D/mbpp/mbpp.jsonl" | last_json)
-  t=$(python -c 'import json,sys; print(json.loads(sys.argv[1])["target"])' "$pair")
-  d=$(python -c 'import json,sys; print(json.loads(sys.argv[1])["draft"])' "$pair")
-  osd-serve bench --target "$t" --draft "$d" --threads 2 --repeats 3 --out "$out/engine_data_pair.json" >/dev/null
+  bench_pair data_pair "$(osd-serve bootstrap --data "$D/gsm8k/train.jsonl" "$D/spider/train_spider.json" "$D/mbpp/mbpp.jsonl" | tail -n 1)"
 fi
 {
   printf '# Engine benchmark (issue 2)\n\nRegenerate with `bash benchmarks/run_engine_bench.sh` (builds the pairs if needed; the data pair\n'

@@ -31,6 +31,38 @@ def analytic_speedup(alpha: float, k: int, c: float, verify_cost: float = 1.0) -
     return tokens / (k * c + verify_cost)
 
 
+# Top-2 logit gap under which the target's own argmax may flip between batch shapes: float32 sums
+# reorder at ~1e-6 relative; bfloat16 resolves logits of size ~10 to ~0.06.
+NEAR_TIE = {torch.float32: 1e-4, torch.bfloat16: 0.1, torch.float16: 0.02}
+
+
+@torch.inference_mode()
+def first_divergence_gap(model, prompt: list[int], ref: list[int], got: list[int]) -> float:
+    """The target's top-2 logit gap, at batch 1, at the first position where ``got`` leaves ``ref``.
+    A gap under NEAR_TIE means the two decodings split at a numerical tie, not at a wrong token."""
+    j = next(i for i, (a, b) in enumerate(zip(ref, got)) if a != b)
+    logits = model(torch.tensor([prompt + ref[:j]], device=model.device)).logits[0, -1].float()  # [V]
+    top = logits.topk(2).values
+    return float(top[0] - top[1])
+
+
+def mismatches(model, prompts: list[list[int]], outs: list[list[int]], refs: list[list[int]]) -> dict:
+    """Outputs that differ from the reference; of those, the ones that split from it at a near-tie, and
+    the largest gap at a split (a split at a large gap would be a lossless bug); ``length_only``: ones
+    that agree wherever both have tokens but stop elsewhere (an EOS near-tie decides it the same way)."""
+    tie = NEAR_TIE.get(model.dtype, 1e-4)
+    gaps, length_only = [], 0
+    for p, o, r in zip(prompts, outs, refs):
+        if o == r:
+            continue
+        if any(a != b for a, b in zip(o, r)):
+            gaps.append(first_divergence_gap(model, p, r, o))
+        else:
+            length_only += 1
+    return {"differ": len(gaps) + length_only, "near_ties": sum(g < tie for g in gaps), "max_gap": max(gaps, default=None),
+            "length_only": length_only}
+
+
 @torch.inference_mode()
 def forward_cost(model, batch: int, context: int, vocab: int, device, repeats: int = 30, tokens: int = 1) -> float:
     """Median seconds of one forward appending ``tokens`` new tokens per row to a KV cache of
@@ -69,6 +101,8 @@ class DecoderResult:
     verify_cost: float | None = None  # v: target forward over k+1 tokens ÷ over 1 (see analytic_speedup)
     analytic_speedup_measured_v: float | None = None  # S with that v instead of 1
     outputs_match_target: int | None = None  # prompts whose output equals the target-alone output
+    mismatch: dict | None = None  # see mismatches(): differing outputs, of which near-ties, largest gap
+    rows_per_step: float | None = None  # mean running rows per engine step (the batch's real occupancy)
 
     @property
     def tokens_per_s(self) -> float:
@@ -147,7 +181,8 @@ def run_bench(
         t = {name: statistics.median(ts) for name, ts in times.items()}
         ref, hf_asst = first["a"][0], first["b"][0]
         a = DecoderResult("target_alone_hf", bs, sum(map(len, ref)), t["a"])
-        b = DecoderResult("hf_assisted", bs, sum(map(len, hf_asst)), t["b"], outputs_match_target=sum(x == y for x, y in zip(hf_asst, ref)))
+        b = DecoderResult("hf_assisted", bs, sum(map(len, hf_asst)), t["b"], outputs_match_target=sum(x == y for x, y in zip(hf_asst, ref)),
+                          mismatch=mismatches(target, ids, hf_asst, ref))
         results += [a, b]
         log(f"[batch {bs}] c={c:.3f}  target alone {a.tokens_per_s:.1f} tok/s  HF assisted {b.tokens_per_s:.1f} tok/s")
         per_k = {}
@@ -165,6 +200,8 @@ def run_bench(
                 verify_cost=v[k] if k else 1.0,
                 analytic_speedup_measured_v=analytic_speedup(alpha, k, c, v[k]) if k else 1.0,
                 outputs_match_target=sum(o.token_ids == y for o, y in zip(outs, ref)),
+                mismatch=mismatches(target, ids, [o.token_ids for o in outs], ref),
+                rows_per_step=row_steps / len(stats),
             )
             results.append(r)
             per_k[k] = r
@@ -179,6 +216,7 @@ def run_bench(
             "target_alone_tok_s": a.tokens_per_s,
             "engine_k0_tok_s": k0.tokens_per_s,
             "hf_assisted_tok_s": b.tokens_per_s,
+            "hf_assisted_mismatch": b.mismatch,
             "best_k": best.k,
             "best_engine_tok_s": best.tokens_per_s,
             "alpha_at_best_k": best.alpha,
@@ -198,7 +236,8 @@ def run_bench(
                     "measured_over_analytic": measured(r) / r.analytic_speedup,
                     "verify_cost": r.verify_cost, "analytic_speedup_measured_v": r.analytic_speedup_measured_v,
                     "measured_over_analytic_measured_v": measured(r) / r.analytic_speedup_measured_v,
-                    "outputs_match_target": r.outputs_match_target,
+                    "outputs_match_target": r.outputs_match_target, "mismatch": r.mismatch,
+                    "rows_per_step": r.rows_per_step,
                 }
                 for k, r in per_k.items() if k
             },
@@ -206,6 +245,7 @@ def run_bench(
         log(json.dumps({f"batch_{bs}": {k: v for k, v in summary[f"batch_{bs}"].items() if k != "per_k"}}, indent=1))
     return {
         "device": str(device),
+        "dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
         "prompts": len(prompts),
         "max_tokens": max_tokens,
@@ -221,12 +261,22 @@ def _f(x: float | None) -> str:
     return "–" if x is None else f"{x:.2f}"  # reports written before v was measured lack it
 
 
+def _outputs(match: int, n: int, mismatch: dict | None) -> str:
+    """"16/16", or "60/64 (4 near-ties, gap ≤ 0.06)" where outputs differ."""
+    if not mismatch or not mismatch["differ"]:
+        return f"{match}/{n}"
+    parts = [f"{mismatch['near_ties']} near-ties, gap ≤ {mismatch['max_gap']:.2g}"] if mismatch["max_gap"] is not None else []
+    parts += [f"{mismatch['length_only']} length only"] if mismatch.get("length_only") else []
+    return f"{match}/{n} ({'; '.join(parts)})"
+
+
 def summary_table(report: dict, title: str) -> str:
     """A markdown table of one bench report's summary (what the closing notes and benchmarks/ show)."""
     rows = [
         f"### {title}",
         f"target {report['target_params'] / 1e6:.1f}M params, draft {report['draft_params'] / 1e6:.2f}M, "
-        f"{report['prompts']} prompts x {report['max_tokens']} tokens, {report['device']}, {report['threads']} threads, "
+        f"{report['prompts']} prompts x {report['max_tokens']} tokens, {report['device']} {report.get('dtype', 'float32')}, "
+        f"{report['threads']} threads, "
         f"median of {report.get('repeats', 1)} interleaved run(s) per decoder",
         "",
         "| batch | c | best k | α | target alone tok/s | HF assisted tok/s | engine k=0 tok/s | engine tok/s | (c)/(a) | (c)/(b) | analytic S | measured/analytic | v | measured/S(v) |",
@@ -243,16 +293,18 @@ def summary_table(report: dict, title: str) -> str:
         "",
         "v = one target forward over k+1 tokens ÷ one over 1 token (the paper's S assumes v = 1); S(v) puts the measured v in.",
         "",
-        "| batch | k | α | tokens/target fwd | analytic S | (c)/(a) | (c)/(b) | measured/analytic | v | S(v) | measured/S(v) | outputs = target |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| batch | k | α | tokens/target fwd | rows/step | analytic S | (c)/(a) | (c)/(b) | measured/analytic | v | S(v) | measured/S(v) | outputs = target |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, s in report["summary"].items():
         for k, r in s["per_k"].items():
             rows.append(
-                f"| {name.split('_')[1]} | {k} | {r['alpha']:.3f} | {r['tokens_per_target_forward']:.2f} | {r['analytic_speedup']:.2f} | "
+                f"| {name.split('_')[1]} | {k} | {r['alpha']:.3f} | {r['tokens_per_target_forward']:.2f} | {_f(r.get('rows_per_step'))} | "
+                f"{r['analytic_speedup']:.2f} | "
                 f"{r['speedup_vs_target_alone']:.2f} | {r['speedup_vs_hf_assisted']:.2f} | {r['measured_over_analytic']:.2f} | "
                 f"{_f(r.get('verify_cost'))} | {_f(r.get('analytic_speedup_measured_v'))} | "
-                f"{_f(r.get('measured_over_analytic_measured_v'))} | {r['outputs_match_target']}/{report['prompts']} |"
+                f"{_f(r.get('measured_over_analytic_measured_v'))} | "
+                f"{_outputs(r['outputs_match_target'], report['prompts'], r.get('mismatch'))} |"
             )
     return "\n".join(rows)
 

@@ -65,12 +65,15 @@ def test_bench_report_is_complete_and_lossless(tiny_pair, tmp_path):
              "--batch-sizes", "1,2", "--max-k", "2", "--repeats", "2", "--out", str(out))
     assert r.returncode == 0, r.stderr
     rep = json.loads(out.read_text())
+    assert rep["dtype"] == "float32"
     for bs in ("batch_1", "batch_2"):
         s = rep["summary"][bs]
         assert s["c"] > 0 and s["target_alone_tok_s"] > 0 and s["hf_assisted_tok_s"] > 0
         for k in ("1", "2"):
             r = s["per_k"][k]
             assert 0 <= r["outputs_match_target"] <= 3 and 0 <= r["alpha"] <= 1
+            assert r["mismatch"]["differ"] == rep["prompts"] - r["outputs_match_target"]
+            assert 1 <= r["rows_per_step"] <= int(bs[-1])
             assert 1.0 <= r["tokens_per_target_forward"] <= int(k) + 1 and r["analytic_speedup"] > 0
             # S(v) is the same formula with the measured verification cost in place of 1
             tokens = (1 - r["alpha"] ** (int(k) + 1)) / (1 - r["alpha"]) if r["alpha"] < 1 else int(k) + 1

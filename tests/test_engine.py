@@ -7,11 +7,13 @@ import random
 import pytest
 import torch
 
+from osd_serve.bench import NEAR_TIE as NEAR_TIES
+from osd_serve.bench import first_divergence_gap
 from osd_serve.config import EngineConfig, SamplingParams
 from osd_serve.engine import SpecEngine
 
 MAX_TOKENS = 16
-NEAR_TIE = 1e-4  # top-2 logit gap under which float reordering between batch shapes may flip an argmax
+NEAR_TIE = NEAR_TIES[torch.float32]  # top-2 logit gap under which batch shapes may flip an argmax
 
 
 def _prompts(vocab: int, n: int = 50, seed: int = 0) -> list[list[int]]:
@@ -27,22 +29,13 @@ def _hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-@torch.inference_mode()
-def _first_gap(model, prompt: list[int], ref: list[int], got: list[int]) -> float:
-    """Top-2 logit gap of the target at the first position where ``got`` leaves ``ref``."""
-    j = next(i for i, (a, b) in enumerate(zip(ref, got)) if a != b)
-    logits = model(torch.tensor([prompt + ref[:j]])).logits[0, -1]
-    top = logits.topk(2).values
-    return float(top[0] - top[1])
-
-
 def count_mismatches(target, prompts, outputs, refs) -> tuple[int, int]:
     """(outputs that differ from the reference greedy decoding, of which near-ties)."""
     mismatches = ties = 0
     for p, o, r in zip(prompts, outputs, refs):
         assert len(o) == MAX_TOKENS
         if o != r:
-            if _first_gap(target, p, r, o) < NEAR_TIE:
+            if first_divergence_gap(target, p, r, o) < NEAR_TIE:
                 ties += 1
             else:
                 mismatches += 1
@@ -168,3 +161,21 @@ def test_bad_input_is_rejected_with_the_field_named(tok):
         eng.add_request("x" * 60, SamplingParams(max_tokens=10))
     with pytest.raises(ValueError, match="prompt"):
         eng.add_request([], SamplingParams())
+
+
+def test_bench_counts_mismatches_and_near_ties(pair, tok, reference, monkeypatch):
+    """The bench's lossless column: equal outputs are not counted, a wrong token is a split at a real
+    gap (not a near-tie), a shorter output that agrees is length-only."""
+    from osd_serve import bench
+
+    arch, target, _ = pair
+    prompts, refs = reference
+    wrong = list(refs[1])
+    wrong[3] = (wrong[3] + 1) % target.config.vocab_size
+    outs = [refs[0], wrong, refs[2][:5]] + refs[3:6]
+    got = bench.mismatches(target, prompts[:6], outs, refs[:6])
+    gap = first_divergence_gap(target, prompts[1], refs[1], wrong)
+    assert got == {"differ": 2, "near_ties": 0, "max_gap": gap, "length_only": 1}
+    assert gap > NEAR_TIE  # peaked logits (conftest): the target really prefers refs[1][3]
+    monkeypatch.setitem(bench.NEAR_TIE, torch.float32, gap * 2)
+    assert bench.mismatches(target, prompts[:6], outs, refs[:6])["near_ties"] == 1
