@@ -29,6 +29,7 @@ if [ -d "$D" ]; then
 fi
 {
   printf '# Engine benchmark (issue 2)\n\nRegenerate with `bash benchmarks/run_engine_bench.sh` (builds the pairs if needed; the data pair\n'
-  printf 'needs `../shared/datasets`). Raw reports are in `results/engine_*.json`; each pair is one run.\n\n'
+  printf 'needs `../shared/datasets`). Raw reports are in `results/engine_*.json`; each pair is one run.\n'
+  printf 'A "–" is a column the report predates (DTYPES= reruns one dtype and leaves the other'"'"'s reports as they were).\n\n'
   python -m osd_serve.bench "$out"/engine_*.json
 } | tee benchmarks/ENGINE.md
