@@ -265,7 +265,8 @@ def _outputs(match: int, n: int, mismatch: dict | None) -> str:
     """"16/16", or "60/64 (4 near-ties, gap ≤ 0.06)" where outputs differ."""
     if not mismatch or not mismatch["differ"]:
         return f"{match}/{n}"
-    parts = [f"{mismatch['near_ties']} near-ties, gap ≤ {mismatch['max_gap']:.2g}"] if mismatch["max_gap"] is not None else []
+    ties = mismatch["near_ties"]
+    parts = [f"{ties} near-tie{'s' * (ties != 1)}, gap ≤ {mismatch['max_gap']:.2g}"] if mismatch["max_gap"] is not None else []
     parts += [f"{mismatch['length_only']} length only"] if mismatch.get("length_only") else []
     return f"{match}/{n} ({'; '.join(parts)})"
 
