@@ -181,8 +181,8 @@ def run_bench(
         t = {name: statistics.median(ts) for name, ts in times.items()}
         ref, hf_asst = first["a"][0], first["b"][0]
         a = DecoderResult("target_alone_hf", bs, sum(map(len, ref)), t["a"])
-        b = DecoderResult("hf_assisted", bs, sum(map(len, hf_asst)), t["b"], outputs_match_target=sum(x == y for x, y in zip(hf_asst, ref)),
-                          mismatch=mismatches(target, ids, hf_asst, ref))
+        m = mismatches(target, ids, hf_asst, ref)
+        b = DecoderResult("hf_assisted", bs, sum(map(len, hf_asst)), t["b"], outputs_match_target=len(ref) - m["differ"], mismatch=m)
         results += [a, b]
         log(f"[batch {bs}] c={c:.3f}  target alone {a.tokens_per_s:.1f} tok/s  HF assisted {b.tokens_per_s:.1f} tok/s")
         per_k = {}
@@ -192,6 +192,7 @@ def run_bench(
             row_steps = sum(s.batch_size for s in stats)
             tested = accepted + sum(s.rejected for s in stats)
             alpha = accepted / tested if tested else None  # per-position acceptance, see StepStats.alpha
+            m = mismatches(target, ids, [o.token_ids for o in outs], ref)
             r = DecoderResult(
                 "engine" if k else "engine_k0", bs, sum(len(o.token_ids) for o in outs), t[k], k=k, alpha=alpha,
                 acceptance_rate=accepted / proposed if proposed else None,
@@ -199,8 +200,8 @@ def run_bench(
                 analytic_speedup=analytic_speedup(alpha, k, c) if k else 1.0,
                 verify_cost=v[k] if k else 1.0,
                 analytic_speedup_measured_v=analytic_speedup(alpha, k, c, v[k]) if k else 1.0,
-                outputs_match_target=sum(o.token_ids == y for o, y in zip(outs, ref)),
-                mismatch=mismatches(target, ids, [o.token_ids for o in outs], ref),
+                outputs_match_target=len(ref) - m["differ"],
+                mismatch=m,
                 rows_per_step=row_steps / len(stats),
             )
             results.append(r)

@@ -7,13 +7,12 @@ import random
 import pytest
 import torch
 
-from osd_serve.bench import NEAR_TIE as NEAR_TIES
-from osd_serve.bench import first_divergence_gap
+from osd_serve import bench
 from osd_serve.config import EngineConfig, SamplingParams
 from osd_serve.engine import SpecEngine
 
 MAX_TOKENS = 16
-NEAR_TIE = NEAR_TIES[torch.float32]  # top-2 logit gap under which batch shapes may flip an argmax
+NEAR_TIE = bench.NEAR_TIE[torch.float32]  # top-2 logit gap under which batch shapes may flip an argmax
 
 
 def _prompts(vocab: int, n: int = 50, seed: int = 0) -> list[list[int]]:
@@ -30,16 +29,10 @@ def _hf_greedy(model, prompt: list[int], n: int) -> list[int]:
 
 
 def count_mismatches(target, prompts, outputs, refs) -> tuple[int, int]:
-    """(outputs that differ from the reference greedy decoding, of which near-ties)."""
-    mismatches = ties = 0
-    for p, o, r in zip(prompts, outputs, refs):
-        assert len(o) == MAX_TOKENS
-        if o != r:
-            if first_divergence_gap(target, p, r, o) < NEAR_TIE:
-                ties += 1
-            else:
-                mismatches += 1
-    return mismatches, ties
+    """(outputs that differ from the reference greedy decoding, not at a near-tie; those at one)."""
+    assert all(len(o) == MAX_TOKENS for o in outputs)  # fixed lengths: every difference is a split
+    m = bench.mismatches(target, prompts, outputs, refs)
+    return m["differ"] - m["near_ties"], m["near_ties"]
 
 
 @pytest.fixture(scope="module")
@@ -166,15 +159,13 @@ def test_bad_input_is_rejected_with_the_field_named(tok):
 def test_bench_counts_mismatches_and_near_ties(pair, tok, reference, monkeypatch):
     """The bench's lossless column: equal outputs are not counted, a wrong token is a split at a real
     gap (not a near-tie), a shorter output that agrees is length-only."""
-    from osd_serve import bench
-
     arch, target, _ = pair
     prompts, refs = reference
     wrong = list(refs[1])
     wrong[3] = (wrong[3] + 1) % target.config.vocab_size
     outs = [refs[0], wrong, refs[2][:5]] + refs[3:6]
     got = bench.mismatches(target, prompts[:6], outs, refs[:6])
-    gap = first_divergence_gap(target, prompts[1], refs[1], wrong)
+    gap = bench.first_divergence_gap(target, prompts[1], refs[1], wrong)
     assert got == {"differ": 2, "near_ties": 0, "max_gap": gap, "length_only": 1}
     assert gap > NEAR_TIE  # peaked logits (conftest): the target really prefers refs[1][3]
     monkeypatch.setitem(bench.NEAR_TIE, torch.float32, gap * 2)
