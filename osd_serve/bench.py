@@ -151,8 +151,10 @@ def run_bench(
 ) -> dict:
     """``repeats`` > 1 times every decoder that many times, in interleaved rounds (a, b, engine k=1..K, 0,
     then again), and keeps each decoder's median time: a slow spell of the machine then hits every
-    decoder alike instead of whichever one happened to run during it. Outputs and acceptance are
-    deterministic (greedy) and taken from the first round."""
+    decoder alike instead of whichever one happened to run during it. The cost ratios c and v are
+    measured in every round too and their medians kept: on a shared 2-core machine the speed of one
+    forward drifts by up to 1.5x over a run, and a c timed once, at the start, fed that drift straight
+    into S. Outputs and acceptance are deterministic (greedy) and taken from the first round."""
     device = next(target.parameters()).device
     vocab = target.get_output_embeddings().weight.shape[0]
     ids = [tok.encode(p) for p in prompts]
@@ -164,21 +166,23 @@ def run_bench(
     _hf_generate(target, tok, ids[:1], 4, 1, assistant=draft)
     SpecEngine(target, draft, tok).generate(ids[:1], SamplingParams(max_tokens=4))
     for bs in batch_sizes:
-        t1 = forward_cost(target, bs, ctx, vocab, device)
-        c = forward_cost(draft, bs, ctx, vocab, device) / t1
-        v = {k: forward_cost(target, bs, ctx, vocab, device, tokens=k + 1) / t1 for k in ks}
         engine_ks = list(ks) + [0]
         decoders = {
             "a": lambda: (_hf_generate(target, tok, ids, max_tokens, bs), None),
             "b": lambda: (_hf_generate(target, tok, ids, max_tokens, bs, assistant=draft), None),
         } | {k: (lambda k=k: _engine_run(target, draft, tok, ids, bs, max_tokens, k)) for k in engine_ks}
-        first, times = {}, {name: [] for name in decoders}
+        first, times, ratios = {}, {name: [] for name in decoders}, {name: [] for name in ["c", *ks]}
         for _ in tqdm(range(repeats), desc=f"batch {bs}: {repeats} round(s) of {len(decoders)} decoders"):
             for name, run in decoders.items():
                 out, dt = _timed(run)
                 first.setdefault(name, out)
                 times[name].append(dt)
+            t1 = forward_cost(target, bs, ctx, vocab, device)
+            ratios["c"].append(forward_cost(draft, bs, ctx, vocab, device) / t1)
+            for k in ks:
+                ratios[k].append(forward_cost(target, bs, ctx, vocab, device, tokens=k + 1) / t1)
         t = {name: statistics.median(ts) for name, ts in times.items()}
+        c, v = statistics.median(ratios["c"]), {k: statistics.median(ratios[k]) for k in ks}
         ref, hf_asst = first["a"][0], first["b"][0]
         a = DecoderResult("target_alone_hf", bs, sum(map(len, ref)), t["a"])
         m = mismatches(target, ids, hf_asst, ref)
