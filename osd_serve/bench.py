@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from .config import EngineConfig, SamplingParams
 from .engine import SpecEngine
-from .kv import BatchKV
+from .kv import BatchKV, pad_left
 
 
 def analytic_speedup(alpha: float, k: int, c: float, verify_cost: float = 1.0) -> float:
@@ -116,10 +116,8 @@ def _hf_generate(model, tok, prompts: list[list[int]], max_tokens: int, batch: i
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     for i in range(0, len(prompts), step):
         chunk = prompts[i : i + step]
-        width = max(map(len, chunk))
-        # Left padding, as HF batched generation requires.
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=model.device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=model.device)
+        ids, mask = pad_left(chunk, pad)
+        ids, mask, width = ids.to(model.device), mask.to(model.device), ids.shape[1]
         kw = dict(max_new_tokens=max_tokens, do_sample=False, pad_token_id=pad, attention_mask=mask)
         if assistant is not None:
             kw["assistant_model"] = assistant

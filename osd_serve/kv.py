@@ -186,6 +186,15 @@ def pad_right(seqs) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, torch.arange(width)[None, :] < lens[:, None]
 
 
+def pad_left(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists as ids [B, W] int64 and attention_mask [B, W] int64, left-padded with ``pad_id``:
+    the layout Hugging Face batched ``generate`` requires."""
+    width = max(map(len, seqs))
+    ids = torch.tensor([[pad_id] * (width - len(s)) + list(s) for s in seqs])  # [B, W]
+    mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs])  # [B, W]
+    return ids, mask
+
+
 def _stack_rows(a: torch.Tensor | None, b: torch.Tensor | None, rows_a: int, rows_b: int, width: int) -> torch.Tensor:
     """Stack two [B, H, P, D] caches along the batch; a missing one (rows with no columns yet) is all holes."""
     ref = a if a is not None else b
