@@ -90,17 +90,35 @@ def propose(draft: BatchKV, rows: RowState, k: int, vocab: int, u_draft: torch.T
     active = rows.k > 0  # [B] rows with k=0 never read their draft, so their cache is not fed
     steps = torch.arange(rows.pending.shape[1], device=rows.k.device)
     inp, inp_valid = rows.pending, (steps[None, :] < rows.pending_n[:, None]) & active[:, None]  # [B, W]
+    # Feed no column that is padding in every row: it would stay in the cache as a hole, and one hole
+    # makes every later forward build a 4D attention mask (at batch 1 there are then no holes at all).
+    width = max(int(inp_valid.sum(1).max()), 1)
+    inp, inp_valid = inp[:, :width], inp_valid[:, :width]  # [B, W']
+    last = (inp_valid.long().sum(1) - 1).clamp_min(0)  # [B] index of each row's last real pending input
+    batch = torch.arange(len(last), device=last.device)  # [B]
+    # An all-greedy batch (the common serving case) takes each argmax straight from the logits and
+    # builds the one-hot q once after the loop: per draft token, the processing and sampling ops
+    # cost a quarter of the draft's own forward on CPU. Same tokens as the general path: q = one-hot
+    # of the argmax there too, and inverse-CDF sampling a one-hot returns its index.
+    greedy = bool((rows.temperature == 0).all())
     tokens, probs, raw = [], [], []
     for j in range(k):
         logits = fit_vocab(draft.forward(inp, inp_valid), vocab)  # [B, T, V]
-        last = (inp_valid.long().sum(1) - 1).clamp_min(0)  # [B] index of each row's last real input
-        raw.append(logits[torch.arange(len(last)), last])  # [B, V]
-        q = row_probs(raw[-1][:, None], rows)[:, 0]  # [B, V]
-        x = sample_from_probs(q, u_draft[:, j])  # [B]
+        raw.append(logits[batch, last] if j == 0 else logits[:, 0])  # [B, V] after the first step T = 1
+        if greedy:
+            x = raw[-1].argmax(-1)  # [B]
+        else:
+            q = row_probs(raw[-1][:, None], rows)[:, 0]  # [B, V]
+            x = sample_from_probs(q, u_draft[:, j])  # [B]
+            probs.append(q)
         tokens.append(x)
-        probs.append(q)
         inp, inp_valid = x[:, None], (j + 1 < rows.k)[:, None]
-    return torch.stack(tokens, 1), torch.stack(probs, 1), torch.stack(raw, 1)
+    draft_tokens = torch.stack(tokens, 1)  # [B, k]
+    if greedy:
+        draft_probs = torch.zeros(len(last), k, vocab, device=last.device).scatter_(2, draft_tokens[..., None], 1.0)
+    else:
+        draft_probs = torch.stack(probs, 1)  # [B, k, V]
+    return draft_tokens, draft_probs, torch.stack(raw, 1)
 
 
 def speculative_step(

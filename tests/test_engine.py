@@ -91,6 +91,39 @@ def test_draft_equal_to_target_accepts_everything(pair, tok, reference):
         assert o.tokens_per_step == k + 1
 
 
+def test_batch_one_caches_never_hold_holes_and_greedy_proposals_are_the_argmax(pair, tok, reference, monkeypatch):
+    """At batch 1 every rejected column is a suffix, cropped by truncate: a hole would make every later
+    forward build a 4D mask (the draft step then cost ~40% more on CPU). The all-greedy propose path
+    skips the per-token processing: its q and tokens must be what row_probs and sampling would give."""
+    from osd_serve import spec
+    from osd_serve.sampling import sample_from_probs
+
+    arch, target, draft = pair
+    prompts, refs = reference
+    seen = []
+    real = spec.propose
+
+    def checked(kv, rows, k, vocab, u):
+        tokens, probs, logits = real(kv, rows, k, vocab, u)  # [B, k], [B, k, V], [B, k, V]
+        q = spec.row_probs(logits, rows)  # [B, k, V] the general path's processing
+        assert torch.equal(probs, q)
+        assert torch.equal(tokens, sample_from_probs(q.flatten(0, 1), u.flatten()).view_as(tokens))
+        seen.append(k)
+        return tokens, probs, logits
+
+    monkeypatch.setattr(spec, "propose", checked)
+    eng = SpecEngine(target, draft, tok, EngineConfig(max_batch_size=1))
+    reqs = eng.submit(prompts[:3], SamplingParams(max_tokens=MAX_TOKENS, num_speculative_tokens=4, ignore_eos=True))
+    rejected = 0
+    while eng.has_unfinished():
+        _, st = eng.step()
+        rejected += st.rejected
+        if eng.running:
+            assert bool(eng._draft_kv.valid.all()) and bool(eng._target_kv.valid.all())
+    assert rejected > 0 and len(seen) > 0  # rollbacks happened, and every proposal was checked
+    assert [r.output_ids for r in reqs] == refs[:3]
+
+
 def test_stop_string_eos_and_streaming(tok):
     from tests.conftest import llama, perturbed
 
