@@ -79,6 +79,12 @@ def test_bench_report_is_complete_and_lossless(tiny_pair, tmp_path):
             tokens = (1 - r["alpha"] ** (int(k) + 1)) / (1 - r["alpha"]) if r["alpha"] < 1 else int(k) + 1
             assert r["verify_cost"] > 0
             assert r["analytic_speedup_measured_v"] == pytest.approx(tokens / (int(k) * s["c"] + r["verify_cost"]))
+            assert 0 < r["prefill_share"] < 1 and r["measured_decode_only_over_analytic"] > 0
+        res = {(x["name"], x["k"]): x for x in rep["results"] if x["batch_size"] == int(bs[-1])}
+        best, k0 = res[("engine", s["best_k"])], res[("engine_k0", 0)]
+        decode = best["tokens"] / (best["seconds"] - best["prefill_seconds"])
+        decode0 = k0["tokens"] / (k0["seconds"] - k0["prefill_seconds"])
+        assert s["measured_decode_only_over_analytic"] == pytest.approx(decode / decode0 / s["analytic_speedup_at_best_k"])
 
 
 def test_replay_writes_result_and_figure(tiny_pair, tmp_path):
