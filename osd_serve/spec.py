@@ -92,9 +92,10 @@ def propose(draft: BatchKV, rows: RowState, k: int, vocab: int, u_draft: torch.T
     inp, inp_valid = rows.pending, (steps[None, :] < rows.pending_n[:, None]) & active[:, None]  # [B, W]
     # Feed no column that is padding in every row: it would stay in the cache as a hole, and one hole
     # makes every later forward build a 4D attention mask (at batch 1 there are then no holes at all).
-    width = max(int(inp_valid.sum(1).max()), 1)
+    n_in = inp_valid.sum(1)  # [B] real pending inputs per row (valid entries come first)
+    width = max(int(n_in.max()), 1)
     inp, inp_valid = inp[:, :width], inp_valid[:, :width]  # [B, W']
-    last = (inp_valid.long().sum(1) - 1).clamp_min(0)  # [B] index of each row's last real pending input
+    last = (n_in - 1).clamp_min(0)  # [B] index of each row's last real pending input
     batch = torch.arange(len(last), device=last.device)  # [B]
     # An all-greedy batch (the common serving case) takes each argmax straight from the logits and
     # builds the one-hot q once after the loop: per draft token, the processing and sampling ops
@@ -115,7 +116,7 @@ def propose(draft: BatchKV, rows: RowState, k: int, vocab: int, u_draft: torch.T
         inp, inp_valid = x[:, None], (j + 1 < rows.k)[:, None]
     draft_tokens = torch.stack(tokens, 1)  # [B, k]
     if greedy:
-        draft_probs = torch.zeros(len(last), k, vocab, device=last.device).scatter_(2, draft_tokens[..., None], 1.0)
+        draft_probs = torch.nn.functional.one_hot(draft_tokens, vocab).float()  # [B, k, V]
     else:
         draft_probs = torch.stack(probs, 1)  # [B, k, V]
     return draft_tokens, draft_probs, torch.stack(raw, 1)
