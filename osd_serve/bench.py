@@ -27,8 +27,30 @@ def analytic_speedup(alpha: float, k: int, c: float, verify_cost: float = 1.0) -
     weights); the bench also reports S with v measured, which shows how much of the gap between
     measured and analytic is the target's own cost growth rather than engine overhead.
     """
-    tokens = k + 1 if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
-    return tokens / (k * c + verify_cost)
+    return expected_tokens(alpha, k) / (k * c + verify_cost)
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens per target forward that S assumes: (1 - α^(k+1)) / (1 - α), every position accepted
+    independently with the same α (α=1: k+1). Real acceptance is correlated (a hard stretch of text
+    rejects early in every step) and max_tokens cuts each sequence's last step, so the measured
+    tokens per forward fall below this as k grows; the bench reports the ratio."""
+    return k + 1 if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def acceptance_model_ratios(measured: float, k: int, c: float, alpha: float, v: float | None, tokens: float,
+                            uncut: float | None = None) -> dict:
+    """Splits measured/analytic into its factors. S = expected_tokens / (k·c + 1), so
+    measured/S = (tokens ÷ expected) × ((k·c + 1) ÷ (k·c + v)) × measured/S(v, tokens), where the last
+    factor, measured over S with both the tokens per forward and v measured, is what is left for the
+    loop itself (drain, prefill, overheads). ``uncut``: tokens per forward had max_tokens and EOS cut
+    no step, which separates that cut from correlated acceptance."""
+    expected = expected_tokens(alpha, k)
+    return {
+        "tokens_over_expected": tokens / expected,
+        "uncut_tokens_over_expected": uncut / expected if uncut is not None else None,
+        "measured_over_analytic_measured_v_tokens": measured * (k * c + v) / tokens if v is not None else None,
+    }
 
 
 # Top-2 logit gap under which the target's own argmax may flip between batch shapes: float32 sums
@@ -104,6 +126,11 @@ class DecoderResult:
     mismatch: dict | None = None  # see mismatches(): differing outputs, of which near-ties, largest gap
     rows_per_step: float | None = None  # mean running rows per engine step (the batch's real occupancy)
     prefill_seconds: float | None = None  # engine: of ``seconds``, the time spent prefilling prompts (median)
+    # engine: tokens per target forward had no step been cut by max_tokens or EOS (accepted + 1 per row)
+    uncut_tokens_per_target_forward: float | None = None
+    # engine: tok/s over the steps that ran a full batch, their draft + target time only (median): the
+    # steady state of a loaded server, without the drain at the end of a finite workload or prefill
+    full_batch_tok_s: float | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -135,6 +162,13 @@ def _timed(fn):
     t0 = time.perf_counter()
     out = fn()
     return out, time.perf_counter() - t0
+
+
+def _full_batch_tok_s(stats, batch: int) -> float | None:
+    """Tokens/s over the steps whose batch was full, counting only their draft and target time."""
+    full = [s for s in stats if s.batch_size == batch]
+    seconds = sum(s.draft_time + s.target_time for s in full)
+    return sum(s.emitted for s in full) / seconds if seconds else None
 
 
 def _engine_run(target, draft, tok, ids, batch: int, max_tokens: int, k: int):
@@ -171,7 +205,7 @@ def run_bench(
             "b": lambda: (_hf_generate(target, tok, ids, max_tokens, bs, assistant=draft), None),
         } | {k: (lambda k=k: _engine_run(target, draft, tok, ids, bs, max_tokens, k)) for k in engine_ks}
         first, times, ratios = {}, {name: [] for name in decoders}, {name: [] for name in ["c", *ks]}
-        prefill = {k: [] for k in engine_ks}
+        prefill, full_rate = {k: [] for k in engine_ks}, {k: [] for k in engine_ks}
         for _ in tqdm(range(repeats), desc=f"batch {bs}: {repeats} round(s) of {len(decoders)} decoders"):
             for name, run in decoders.items():
                 out, dt = _timed(run)
@@ -179,6 +213,7 @@ def run_bench(
                 times[name].append(dt)
                 if name in prefill:
                     prefill[name].append(sum(s.prefill_time for s in out[1]))
+                    full_rate[name].append(_full_batch_tok_s(out[1], bs))
             t1 = forward_cost(target, bs, ctx, vocab, device)
             ratios["c"].append(forward_cost(draft, bs, ctx, vocab, device) / t1)
             for k in ks:
@@ -210,6 +245,8 @@ def run_bench(
                 mismatch=m,
                 rows_per_step=row_steps / len(stats),
                 prefill_seconds=statistics.median(prefill[k]),
+                uncut_tokens_per_target_forward=(accepted + row_steps) / row_steps,
+                full_batch_tok_s=statistics.median(full_rate[k]) if None not in full_rate[k] else None,
             )
             results.append(r)
             per_k[k] = r
@@ -254,10 +291,17 @@ def run_bench(
                     "measured_decode_only_over_analytic": decode_only(r) / r.analytic_speedup,
                     "outputs_match_target": r.outputs_match_target, "mismatch": r.mismatch,
                     "rows_per_step": r.rows_per_step,
-                }
+                    "uncut_tokens_per_target_forward": r.uncut_tokens_per_target_forward,
+                    "full_batch_measured_over_analytic": (r.full_batch_tok_s / k0.full_batch_tok_s / r.analytic_speedup
+                                                          if r.full_batch_tok_s and k0.full_batch_tok_s else None),
+                } | acceptance_model_ratios(measured(r), k, c, r.alpha, r.verify_cost, r.tokens_per_target_forward,
+                                            r.uncut_tokens_per_target_forward)
                 for k, r in per_k.items() if k
             },
         }
+        at_best = summary[f"batch_{bs}"]["per_k"][best.k]
+        for key in ("tokens_over_expected", "measured_over_analytic_measured_v_tokens", "full_batch_measured_over_analytic"):
+            summary[f"batch_{bs}"][f"{key}_at_best_k"] = at_best[key]
         log(json.dumps({f"batch_{bs}": {k: v for k, v in summary[f"batch_{bs}"].items() if k != "per_k"}}, indent=1))
     return {
         "device": str(device),
@@ -313,17 +357,32 @@ def summary_table(report: dict, title: str) -> str:
         "Prefill share: the engine's time prefilling prompts at that k, which S does not model; the last column "
         "leaves it out of both the engine at k and at k=0.",
         "",
-        "| batch | k | α | tokens/target fwd | rows/step | analytic S | (c)/(a) | (c)/(b) | measured/analytic | v | S(v) | measured/S(v) | measured/analytic, no prefill | outputs = target |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "Tokens/fwd ÷ i.i.d.: the measured tokens per target forward over the (1 − α^(k+1))/(1 − α) that S assumes "
+        "(acceptance is correlated, and max_tokens cuts the last step: \"uncut\" counts that step whole). "
+        "measured/S(v, tokens): S with both v and tokens per forward measured, i.e. what is left for the loop; "
+        "measured/analytic = tokens/fwd ÷ i.i.d. × (k·c + 1)/(k·c + v) × measured/S(v, tokens). "
+        "Full batch: the same ratio over only the steps that ran a full batch, their draft and target time only "
+        "(a loaded server's steady state: no drain at the end of the workload, no prefill).",
+        "",
+        "| batch | k | α | tokens/target fwd | tokens/fwd ÷ i.i.d. | uncut ÷ i.i.d. | rows/step | analytic S | (c)/(a) | (c)/(b) | "
+        "measured/analytic | v | S(v) | measured/S(v) | measured/S(v, tokens) | measured/analytic, no prefill | "
+        "full batch: measured/analytic | outputs = target |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, s in report["summary"].items():
         for k, r in s["per_k"].items():
+            # reports written before these ratios were stored: recompute what their fields allow
+            measured = r["measured_over_analytic"] * r["analytic_speedup"]
+            r = acceptance_model_ratios(measured, int(k), s["c"], r["alpha"], r.get("verify_cost"),
+                                        r["tokens_per_target_forward"], r.get("uncut_tokens_per_target_forward")) | r
             rows.append(
-                f"| {name.split('_')[1]} | {k} | {r['alpha']:.3f} | {r['tokens_per_target_forward']:.2f} | {_f(r.get('rows_per_step'))} | "
+                f"| {name.split('_')[1]} | {k} | {r['alpha']:.3f} | {r['tokens_per_target_forward']:.2f} | "
+                f"{r['tokens_over_expected']:.2f} | {_f(r['uncut_tokens_over_expected'])} | {_f(r.get('rows_per_step'))} | "
                 f"{r['analytic_speedup']:.2f} | "
                 f"{r['speedup_vs_target_alone']:.2f} | {r['speedup_vs_hf_assisted']:.2f} | {r['measured_over_analytic']:.2f} | "
                 f"{_f(r.get('verify_cost'))} | {_f(r.get('analytic_speedup_measured_v'))} | "
-                f"{_f(r.get('measured_over_analytic_measured_v'))} | {_f(r.get('measured_decode_only_over_analytic'))} | "
+                f"{_f(r.get('measured_over_analytic_measured_v'))} | {_f(r['measured_over_analytic_measured_v_tokens'])} | "
+                f"{_f(r.get('measured_decode_only_over_analytic'))} | {_f(r.get('full_batch_measured_over_analytic'))} | "
                 f"{_outputs(r['outputs_match_target'], report['prompts'], r.get('mismatch'))} |"
             )
     return "\n".join(rows)

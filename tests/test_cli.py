@@ -61,11 +61,15 @@ def test_bench_report_is_complete_and_lossless(tiny_pair, tmp_path):
     any other decoder may break float near-ties differently, so it is not asserted on them here."""
     _, pair = tiny_pair
     out = tmp_path / "bench.json"
-    r = _cli("bench", "--target", pair["target"], "--draft", pair["draft"], "--num-prompts", "3", "--max-tokens", "6",
+    # The tiny build keeps a single held-out prompt; batch 2 needs more than one row to batch.
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"def f{i}(x):\n"}) + "\n" for i in range(3)))
+    r = _cli("bench", "--target", pair["target"], "--draft", pair["draft"], "--prompts", str(prompts),
+             "--num-prompts", "3", "--max-tokens", "6",
              "--batch-sizes", "1,2", "--max-k", "2", "--repeats", "2", "--out", str(out))
     assert r.returncode == 0, r.stderr
     rep = json.loads(out.read_text())
-    assert rep["dtype"] == "float32"
+    assert rep["dtype"] == "float32" and rep["prompts"] == 3
     for bs in ("batch_1", "batch_2"):
         s = rep["summary"][bs]
         assert s["c"] > 0 and s["target_alone_tok_s"] > 0 and s["hf_assisted_tok_s"] > 0
@@ -80,11 +84,20 @@ def test_bench_report_is_complete_and_lossless(tiny_pair, tmp_path):
             assert r["verify_cost"] > 0
             assert r["analytic_speedup_measured_v"] == pytest.approx(tokens / (int(k) * s["c"] + r["verify_cost"]))
             assert 0 < r["prefill_share"] < 1 and r["measured_decode_only_over_analytic"] > 0
+            # measured/analytic factors exactly into acceptance model x verification cost x loop
+            assert r["tokens_over_expected"] == pytest.approx(r["tokens_per_target_forward"] / tokens)
+            assert r["tokens_per_target_forward"] <= r["uncut_tokens_per_target_forward"] <= int(k) + 1
+            assert r["uncut_tokens_over_expected"] == pytest.approx(r["uncut_tokens_per_target_forward"] / tokens)
+            assert r["measured_over_analytic"] == pytest.approx(
+                r["tokens_over_expected"] * (int(k) * s["c"] + 1) / (int(k) * s["c"] + r["verify_cost"])
+                * r["measured_over_analytic_measured_v_tokens"])
+            assert r["full_batch_measured_over_analytic"] > 0  # the first step of 3 prompts runs a full batch
         res = {(x["name"], x["k"]): x for x in rep["results"] if x["batch_size"] == int(bs[-1])}
         best, k0 = res[("engine", s["best_k"])], res[("engine_k0", 0)]
         decode = best["tokens"] / (best["seconds"] - best["prefill_seconds"])
         decode0 = k0["tokens"] / (k0["seconds"] - k0["prefill_seconds"])
         assert s["measured_decode_only_over_analytic"] == pytest.approx(decode / decode0 / s["analytic_speedup_at_best_k"])
+        assert s["tokens_over_expected_at_best_k"] == s["per_k"][str(s["best_k"])]["tokens_over_expected"]
 
 
 def test_replay_writes_result_and_figure(tiny_pair, tmp_path):
