@@ -43,8 +43,8 @@ def acceptance_model_ratios(measured: float, k: int, c: float, alpha: float, v: 
     """Splits measured/analytic into its factors. S = expected_tokens / (k·c + 1), so
     measured/S = (tokens ÷ expected) × ((k·c + 1) ÷ (k·c + v)) × measured/S(v, tokens), where the last
     factor, measured over S with both the tokens per forward and v measured, is what is left for the
-    loop itself (drain, prefill, overheads). ``uncut``: tokens per forward had max_tokens and EOS cut
-    no step, which separates that cut from correlated acceptance."""
+    loop itself (drain, prefill, overheads). ``uncut``: tokens per forward over the steps that max_tokens
+    and EOS did not cut (see _uncut_tokens_per_forward), which separates that cut from correlated acceptance."""
     expected = expected_tokens(alpha, k)
     return {
         "tokens_over_expected": tokens / expected,
@@ -126,7 +126,7 @@ class DecoderResult:
     mismatch: dict | None = None  # see mismatches(): differing outputs, of which near-ties, largest gap
     rows_per_step: float | None = None  # mean running rows per engine step (the batch's real occupancy)
     prefill_seconds: float | None = None  # engine: of ``seconds``, the time spent prefilling prompts (median)
-    # engine: tokens per target forward had no step been cut by max_tokens or EOS (accepted + 1 per row)
+    # engine: tokens per target forward over the steps that max_tokens and EOS did not cut
     uncut_tokens_per_target_forward: float | None = None
     # engine: tok/s over the steps that ran a full batch, their draft + target time only (median): the
     # steady state of a loaded server, without the drain at the end of a finite workload or prefill
@@ -169,6 +169,15 @@ def _full_batch_tok_s(stats, batch: int) -> float | None:
     full = [s for s in stats if s.batch_size == batch]
     seconds = sum(s.draft_time + s.target_time for s in full)
     return sum(s.emitted for s in full) / seconds if seconds else None
+
+
+def _uncut_tokens_per_forward(stats, k: int) -> float | None:
+    """Tokens per target forward had max_tokens and EOS cut no step: accepted + 1 per row, over the steps
+    where every row drafted its full k. The engine drafts no further than max_tokens (a row with n
+    tokens left drafts n - 1), so a step with a capped row says nothing of how much a full k yields."""
+    full = [s for s in stats if s.proposed == s.batch_size * k]
+    rows = sum(s.batch_size for s in full)
+    return (sum(s.accepted for s in full) + rows) / rows if rows else None
 
 
 def _engine_run(target, draft, tok, ids, batch: int, max_tokens: int, k: int):
@@ -245,7 +254,7 @@ def run_bench(
                 mismatch=m,
                 rows_per_step=row_steps / len(stats),
                 prefill_seconds=statistics.median(prefill[k]),
-                uncut_tokens_per_target_forward=(accepted + row_steps) / row_steps,
+                uncut_tokens_per_target_forward=_uncut_tokens_per_forward(stats, k),
                 full_batch_tok_s=statistics.median(full_rate[k]) if None not in full_rate[k] else None,
             )
             results.append(r)
@@ -358,7 +367,7 @@ def summary_table(report: dict, title: str) -> str:
         "leaves it out of both the engine at k and at k=0.",
         "",
         "Tokens/fwd ÷ i.i.d.: the measured tokens per target forward over the (1 − α^(k+1))/(1 − α) that S assumes "
-        "(acceptance is correlated, and max_tokens cuts the last step: \"uncut\" counts that step whole). "
+        "(acceptance is correlated, and max_tokens cuts the last step: \"uncut\" counts only the steps it did not cut). "
         "measured/S(v, tokens): S with both v and tokens per forward measured, i.e. what is left for the loop; "
         "measured/analytic = tokens/fwd ÷ i.i.d. × (k·c + 1)/(k·c + v) × measured/S(v, tokens). "
         "Full batch: the same ratio over only the steps that ran a full batch, their draft and target time only "

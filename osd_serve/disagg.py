@@ -180,8 +180,8 @@ class DraftWorker:
         todo = []
         for i, it in enumerate(items):
             base, prop = self._ahead.pop(it.seq_id, (None, None))
-            if base == it.history and len(prop.tokens) == it.k:
-                out[i] = prop
+            if base == it.history and len(prop.tokens) >= it.k:  # more when max_tokens capped this k
+                out[i] = Proposal(prop.tokens[: it.k], prop.probs[: it.k] if prop.probs is not None else None, prop.version)
                 self.hits += 1
             elif it.k > 0:
                 todo.append(i)
@@ -314,7 +314,7 @@ async def run_request(
     s = Sampling(p.temperature, p.top_k, p.top_p, seed)
     while not req.finished:
         history = req.prompt_ids + req.output_ids
-        k = p.num_speculative_tokens
+        k = min(p.num_speculative_tokens, max(p.max_tokens - len(req.output_ids) - 1, 0))  # as SpecEngine.step
         prop = await propose_fn(ProposeItem(req.request_id, history, k, s)) if k else Proposal([], None)
         v = await verify_fn(VerifyItem(req.request_id, history, prop.tokens, prop.probs, s, req.expert,
                                        len(req.prompt_ids), prop.version))

@@ -144,10 +144,16 @@ class SpecEngine:
         if not self.running:
             return [], None
         rows = self._rows
-        k = max(r.params.num_speculative_tokens for r in self.running)
+        # Never draft past max_tokens: a row with n tokens left emits at most n (accepted + 1), so
+        # drafts beyond n - 1 could only be thrown away. It is the last step that max_tokens cuts,
+        # and at batch 1 it then runs fewer draft forwards and a narrower verification.
+        k_rows = [min(r.params.num_speculative_tokens, max(r.params.max_tokens - len(r.output_ids) - 1, 0))
+                  for r in self.running]
+        rows.k = torch.tensor(k_rows, device=self.device)  # [B]
+        k = max(k_rows)
         u_draft, u_verify = self._uniforms(k)
         out = speculative_step(self._target_kv, self._draft_kv, rows, self.vocab, u_draft, u_verify)
-        tokens, n_acc, k_rows = out.tokens.tolist(), out.num_accepted.tolist(), rows.k.tolist()
+        tokens, n_acc = out.tokens.tolist(), out.num_accepted.tolist()
         if self.recorder is not None:
             before = [len(r.output_ids) for r in self.running]
             self.recorder.observe(self.running, out, n_acc, k_rows, before, self.draft_version)

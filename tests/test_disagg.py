@@ -117,6 +117,18 @@ def test_draft_equal_to_target_accepts_all_and_drafts_ahead(tok):
     assert drafts[0].hits == steps - len(reqs)
 
 
+def test_no_draft_past_max_tokens(tok):
+    """As in the colocated engine: 12 tokens at k=8 are one step of 8 drafts and one of 2, and the
+    second uses the first 2 of the 9 tokens drafted ahead rather than drafting again."""
+    target = llama(len(tok), seed=3)
+    prompts = _prompts(len(tok), n=4, seed=9)
+    params = SamplingParams(max_tokens=12, num_speculative_tokens=8, ignore_eos=True)
+    reqs, drafts, _, verdicts = _serve(target, target, tok, prompts, params, workers=1, move=0.0)
+    assert sorted((v.accepted, len(v.tokens)) for v in verdicts) == [(2, 3)] * 4 + [(8, 9)] * 4
+    assert [(r.proposed, len(r.output_ids)) for r in reqs] == [(10, 12)] * 4
+    assert drafts[0].hits == 4
+
+
 @torch.inference_mode()
 def test_verifier_records_the_targets_corrections_like_the_colocated_engine(pair, tok):
     """The verifier's replay records (what the distiller trains on) hold the target's raw

@@ -91,6 +91,19 @@ def test_draft_equal_to_target_accepts_everything(pair, tok, reference):
         assert o.tokens_per_step == k + 1
 
 
+def test_no_draft_past_max_tokens(pair, tok, reference):
+    """A row with n tokens left drafts at most n - 1: more could only be thrown away. With the draft
+    equal to the target every draft is accepted, so 12 tokens at k=8 are one step of 8 drafts + 1 and
+    one of 2 + 1; drafting 8 again in the last step would verify 6 columns for nothing."""
+    arch, target, _ = pair
+    prompts, _ = reference
+    eng = SpecEngine(target, target, tok, EngineConfig(max_batch_size=4))
+    stats = []
+    outs = eng.generate(prompts[:4], SamplingParams(max_tokens=12, num_speculative_tokens=8, ignore_eos=True), stats=stats)
+    assert [(s.batch_size, s.proposed, s.accepted, s.emitted) for s in stats] == [(4, 32, 32, 36), (4, 8, 8, 12)]
+    assert [len(o.token_ids) for o in outs] == [12] * 4
+
+
 def test_batch_one_caches_never_hold_holes_and_greedy_proposals_are_the_argmax(pair, tok, reference, monkeypatch):
     """At batch 1 every rejected column is a suffix, cropped by truncate: a hole would make every later
     forward build a 4D mask (the draft step then cost ~40% more on CPU). The all-greedy propose path
