@@ -314,7 +314,7 @@ async def run_request(
     s = Sampling(p.temperature, p.top_k, p.top_p, seed)
     while not req.finished:
         history = req.prompt_ids + req.output_ids
-        k = min(p.num_speculative_tokens, max(p.max_tokens - len(req.output_ids) - 1, 0))  # as SpecEngine.step
+        k = req.step_k()
         prop = await propose_fn(ProposeItem(req.request_id, history, k, s)) if k else Proposal([], None)
         v = await verify_fn(VerifyItem(req.request_id, history, prop.tokens, prop.probs, s, req.expert,
                                        len(req.prompt_ids), prop.version))

@@ -144,11 +144,9 @@ class SpecEngine:
         if not self.running:
             return [], None
         rows = self._rows
-        # Never draft past max_tokens: a row with n tokens left emits at most n (accepted + 1), so
-        # drafts beyond n - 1 could only be thrown away. It is the last step that max_tokens cuts,
-        # and at batch 1 it then runs fewer draft forwards and a narrower verification.
-        k_rows = [min(r.params.num_speculative_tokens, max(r.params.max_tokens - len(r.output_ids) - 1, 0))
-                  for r in self.running]
+        # Capped at max_tokens (Request.step_k): the last step then runs fewer draft forwards and, at
+        # batch 1, a narrower verification.
+        k_rows = [r.step_k() for r in self.running]
         rows.k = torch.tensor(k_rows, device=self.device)  # [B]
         k = max(k_rows)
         u_draft, u_verify = self._uniforms(k)

@@ -90,6 +90,11 @@ class Request:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def step_k(self) -> int:
+        """Draft tokens for this request's next step: its k, but never past max_tokens. With n tokens
+        left it emits at most n (accepted + 1), so drafts beyond n - 1 could only be thrown away."""
+        return min(self.params.num_speculative_tokens, max(self.params.max_tokens - len(self.output_ids) - 1, 0))
+
     def append(self, new_ids: list[int], tokenizer, eos_ids: set[int]) -> None:
         """Append accepted tokens one by one, stopping at EOS, max_tokens or a stop string."""
         p = self.params
