@@ -10,11 +10,11 @@ from __future__ import annotations
 import torch
 
 from kernels import verify_triton as _verify_triton
-from kernels.verify import verify_reference
+from kernels.verify import verify_greedy, verify_reference
 
 HAS_TRITON: bool = _verify_triton.HAS_TRITON
 
-__all__ = ["HAS_TRITON", "verify", "verify_reference"]
+__all__ = ["HAS_TRITON", "verify", "verify_greedy", "verify_reference"]
 
 
 def verify(

@@ -78,3 +78,29 @@ def verify_reference(
     out_tokens = torch.where(positions < n, drafts, -1)  # [B, k+1]
     out_tokens = torch.where(positions == n, final.unsqueeze(1), out_tokens)  # [B, k+1]
     return out_tokens, num_accepted
+
+
+def verify_greedy(
+    target_tokens: torch.Tensor,  # [B, k+1] int64 the target's argmax at each verified position
+    draft_tokens: torch.Tensor,  # [B, k] int64 proposed tokens
+    num_draft: torch.Tensor,  # [B] int64 per-row k_i <= k
+) -> tuple[torch.Tensor, torch.Tensor]:  # out_tokens [B, k+1] int64 (-1 pad), num_accepted [B] int64
+    """verify_reference for a batch where target and draft are both greedy (temperature 0), without
+    the [B, k+1, V] one-hot p and q it would need. With one-hot p and q the rule above reduces to:
+    accept x_j iff x_j is the target's argmax (q(x_j) = 1, so u*q < p needs p(x_j) = 1), and both
+    the residual after a rejection and the bonus are one-hot at the target's argmax at position a.
+    So the result is the same tokens for any uniforms (tests/test_verify.py checks it against the
+    reference), at the cost of a comparison instead of gathers and a float64 cumsum over V per row."""
+    b, k1 = target_tokens.shape
+    k = k1 - 1
+    positions = torch.arange(k1, device=target_tokens.device)  # [k+1]
+    num_draft = num_draft.clamp(max=k)  # [B]
+    drafted = positions[:k].unsqueeze(0) < num_draft.unsqueeze(1)  # [B, k]
+    accept = (draft_tokens == target_tokens[:, :k]) & drafted  # [B, k]
+    num_accepted = accept.long().cumprod(dim=1).sum(dim=1)  # [B] leading run of accepts
+    n = num_accepted.unsqueeze(1)  # [B, 1]
+    final = target_tokens.gather(1, n)  # [B, 1] the correction, or the bonus when a == k_i
+    drafts = torch.cat([draft_tokens, draft_tokens.new_full((b, 1), -1)], dim=1)  # [B, k+1]
+    out_tokens = torch.where(positions < n, drafts, -1)  # [B, k+1]
+    out_tokens = torch.where(positions == n, final, out_tokens)  # [B, k+1]
+    return out_tokens, num_accepted

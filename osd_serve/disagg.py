@@ -23,12 +23,10 @@ from types import SimpleNamespace
 
 import torch
 
-from kernels import verify
-
 from .engine import StepStats
 from .kv import BatchKV, pad_right
 from .output import Request, StreamDelta
-from .spec import RowState, fit_vocab, propose, row_probs
+from .spec import RowState, accept, fit_vocab, propose
 
 _DRAFT, _AHEAD, _VERIFY = 1, 2, 3  # uniform streams: never share uniforms between these roles
 
@@ -252,20 +250,22 @@ class TargetVerifier:
         pos = (start[:, None] + torch.arange(kmax + 1, device=dev)[None, :]).clamp_max(logits.shape[1] - 1)  # [B, k+1]
         logits = fit_vocab(logits[torch.arange(b, device=dev)[:, None], pos], self.vocab)  # [B, k+1, V]
         rows = _rows(items, [h[-1:] for h in hist], dev, ks)
-        p = row_probs(logits, rows)  # [B, k+1, V]
-        draft = torch.zeros(b, kmax, dtype=torch.long, device=dev)  # [B, k]
-        q = torch.zeros(b, kmax, self.vocab, device=dev)  # [B, k, V]
-        for i, it in enumerate(items):
-            if ks[i]:
-                draft[i, : ks[i]] = torch.tensor(it.draft, device=dev)
-                if it.draft_probs is None:  # greedy: the draft's distribution is one-hot at its token
+        draft, _ = pad_right([it.draft for it in items])  # [B, k] (k = the longest draft)
+        draft = draft.to(dev)
+        q = None  # all greedy: accept() needs only the tokens (one-hot q)
+        if not all(it.sampling.greedy for it in items):
+            q = torch.zeros(b, kmax, self.vocab, device=dev)  # [B, k, V]
+            for i, it in enumerate(items):
+                if ks[i] and it.draft_probs is None:  # greedy: the draft's distribution is one-hot at its token
                     q[i, torch.arange(ks[i]), draft[i, : ks[i]]] = 1.0
-                else:
+                elif ks[i]:
                     q[i, : ks[i]] = it.draft_probs.to(dev, torch.float32)
         u = torch.stack([uniforms(it.sampling.seed, _VERIFY, len(it.history), kmax + 1) for it in items]).to(dev)  # [B, k+1]
-        tokens, n_acc = verify(p, q, draft, rows.k, u)
+        tokens, n_acc, _ = accept(logits, rows, draft, q, u)
         n_acc_l, tokens = n_acc.tolist(), tokens.tolist()
         if self.recorder is not None:
+            if q is None:  # all greedy: the draft's q is one-hot at its tokens (padding past k_i is never read)
+                q = torch.nn.functional.one_hot(draft, self.vocab).float()  # [B, k, V]
             self.recorder.observe_probs([(it.seq_id, it.expert) for it in items], torch.softmax(logits.float(), -1), q,
                                         n_acc_l, ks, [len(h) - it.prompt_len for h, it in zip(hist, items)],
                                         [it.draft_version for it in items])

@@ -13,10 +13,10 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from kernels import verify
+from kernels import verify, verify_greedy
 
 from .kv import BatchKV
-from .sampling import logits_to_probs, sample_from_probs
+from .sampling import greedy_tokens, logits_to_probs, sample_from_probs
 
 
 @dataclass
@@ -44,10 +44,11 @@ class RowState:
 class StepOutput:
     tokens: torch.Tensor  # [B, k+1] int64, -1 padded: accepted draft tokens then one target token
     num_accepted: torch.Tensor  # [B] int64 accepted draft tokens; each row emits num_accepted + 1
-    # Kept for the replay buffer (online distillation): the target's distributions come for free here.
     draft_tokens: torch.Tensor  # [B, k]
-    target_probs: torch.Tensor  # [B, k+1, V]
-    draft_probs: torch.Tensor  # [B, k, V]
+    # The processed distributions the accept rule used; None for an all-greedy batch, which is
+    # verified by argmax agreement without building them (see accept()).
+    target_probs: torch.Tensor | None  # [B, k+1, V]
+    draft_probs: torch.Tensor | None  # [B, k, V]
     # Raw (temperature 1, unfiltered) logits, padded to V: distillation learns the target's own
     # distribution, not the one-hot a greedy request verifies against.
     target_logits: torch.Tensor  # [B, k+1, V]
@@ -85,7 +86,8 @@ def propose(draft: BatchKV, rows: RowState, k: int, vocab: int, u_draft: torch.T
     """The draft proposes k tokens per row, autoregressively on its own cache.
 
     u_draft [B, k] uniforms for sampling each proposal (ignored by greedy rows: their q is one-hot).
-    returns draft_tokens [B, k] int64, draft_probs [B, k, V] float32, draft_logits [B, k, V].
+    returns draft_tokens [B, k] int64, draft_probs [B, k, V] float32 (None when every row is greedy:
+    q is then one-hot at each proposal, and accept() needs only the tokens), draft_logits [B, k, V].
     """
     active = rows.k > 0  # [B] rows with k=0 never read their draft, so their cache is not fed
     steps = torch.arange(rows.pending.shape[1], device=rows.k.device)
@@ -97,29 +99,39 @@ def propose(draft: BatchKV, rows: RowState, k: int, vocab: int, u_draft: torch.T
     inp, inp_valid = inp[:, :width], inp_valid[:, :width]  # [B, W']
     last = (n_in - 1).clamp_min(0)  # [B] index of each row's last real pending input
     batch = torch.arange(len(last), device=last.device)  # [B]
-    # An all-greedy batch (the common serving case) takes each argmax straight from the logits and
-    # builds the one-hot q once after the loop: per draft token, the processing and sampling ops
-    # cost a quarter of the draft's own forward on CPU. Same tokens as the general path: q = one-hot
-    # of the argmax there too, and inverse-CDF sampling a one-hot returns its index.
+    # An all-greedy batch (the common serving case) takes each argmax straight from the logits:
+    # per draft token, the processing and sampling ops cost a quarter of the draft's own forward on
+    # CPU. Same tokens as the general path: q = one-hot of the argmax there too, and inverse-CDF
+    # sampling a one-hot returns its index.
     greedy = bool((rows.temperature == 0).all())
     tokens, probs, raw = [], [], []
     for j in range(k):
         logits = fit_vocab(draft.forward(inp, inp_valid), vocab)  # [B, T, V]
         raw.append(logits[batch, last] if j == 0 else logits[:, 0])  # [B, V] after the first step T = 1
         if greedy:
-            x = raw[-1].argmax(-1)  # [B]
+            x = greedy_tokens(raw[-1])  # [B]
         else:
             q = row_probs(raw[-1][:, None], rows)[:, 0]  # [B, V]
             x = sample_from_probs(q, u_draft[:, j])  # [B]
             probs.append(q)
         tokens.append(x)
         inp, inp_valid = x[:, None], (j + 1 < rows.k)[:, None]
-    draft_tokens = torch.stack(tokens, 1)  # [B, k]
-    if greedy:
-        draft_probs = torch.nn.functional.one_hot(draft_tokens, vocab).float()  # [B, k, V]
-    else:
-        draft_probs = torch.stack(probs, 1)  # [B, k, V]
-    return draft_tokens, draft_probs, torch.stack(raw, 1)
+    draft_probs = None if greedy else torch.stack(probs, 1)  # [B, k, V]
+    return torch.stack(tokens, 1), draft_probs, torch.stack(raw, 1)  # [B, k], [B, k, V], [B, k, V]
+
+
+def accept(target_logits: torch.Tensor, rows: RowState, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+           u_verify: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The accept rule (kernels/) on target logits [B, k+1, V]: (tokens [B, k+1], num_accepted [B],
+    target_probs [B, k+1, V] or None). draft_probs None means every row is greedy: p and q would
+    both be one-hot, and verify_greedy gives the same tokens from the argmaxes alone (on CPU the
+    one-hot p, q and the reference's float64 cumsum cost ~1 ms per step at batch 8, V=4096)."""
+    if draft_probs is None:
+        tokens, num_accepted = verify_greedy(greedy_tokens(target_logits), draft_tokens, rows.k)
+        return tokens, num_accepted, None
+    target_probs = row_probs(target_logits, rows)  # [B, k+1, V]
+    tokens, num_accepted = verify(target_probs, draft_probs, draft_tokens, rows.k, u_verify)
+    return tokens, num_accepted, target_probs
 
 
 def speculative_step(
@@ -137,7 +149,8 @@ def speculative_step(
         draft_tokens, draft_probs, draft_logits = propose(draft, rows, k, vocab, u_draft)
     else:
         draft_tokens = torch.empty(b, 0, dtype=torch.long, device=device)
-        draft_probs = draft_logits = torch.empty(b, 0, vocab, device=device)
+        draft_logits = torch.empty(b, 0, vocab, device=device)
+        draft_probs = None if bool((rows.temperature == 0).all()) else draft_logits
     _sync(device)
     t1 = time.perf_counter()
 
@@ -145,10 +158,9 @@ def speculative_step(
     inp = torch.cat([rows.last[:, None], draft_tokens], 1)  # [B, k+1]
     inp_valid = torch.arange(k + 1, device=device)[None, :] <= rows.k[:, None]  # [B, k+1]
     target_logits = fit_vocab(target.forward(inp, inp_valid), vocab)  # [B, k+1, V]
-    target_probs = row_probs(target_logits, rows)  # [B, k+1, V]
 
-    # 3. accept (pure function in kernels/)
-    tokens, num_accepted = verify(target_probs, draft_probs, draft_tokens, rows.k, u_verify)
+    # 3. accept (pure functions in kernels/)
+    tokens, num_accepted, target_probs = accept(target_logits, rows, draft_tokens, draft_probs, u_verify)
     _sync(device)
     t2 = time.perf_counter()
 

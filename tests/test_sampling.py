@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from osd_serve.sampling import apply_top_k_top_p, logits_to_probs, sample_from_probs
+from osd_serve.sampling import apply_top_k_top_p, greedy_tokens, logits_to_probs, sample_from_probs
 
 
 def _row_reference(logits: torch.Tensor, t: float, k: int, p: float) -> torch.Tensor:
@@ -80,6 +80,17 @@ def test_temperature_zero_is_one_hot_of_argmax():
     expected = torch.nn.functional.one_hot(logits.argmax(-1), 100).float()  # [N, V]
     assert torch.equal(probs, expected)
     assert probs[3].argmax() == 7
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_tokens_break_ties_like_argmax(dtype):
+    """HF greedy decoding takes torch.argmax (first index on ties); greedy_tokens must agree, ties
+    included: low-precision logits tie often. Integer logits in [-3, 3) tie in almost every row."""
+    gen = torch.Generator().manual_seed(2)
+    for v in (2, 7, 4096, 50_000):
+        logits = torch.randint(-3, 3, (3, 9, v), generator=gen).to(dtype)  # [B, T, V]
+        assert torch.equal(greedy_tokens(logits), logits.argmax(-1))
+        assert torch.equal(greedy_tokens(logits[:, :, ::3]), logits[:, :, ::3].argmax(-1))  # strided view
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])

@@ -22,9 +22,9 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 import kernels  # noqa: E402
-from kernels.verify import inverse_cdf_sample, verify_reference  # noqa: E402
+from kernels.verify import inverse_cdf_sample, verify_greedy, verify_reference  # noqa: E402
 from kernels.verify_triton import verify_triton  # noqa: E402
-from osd_serve.sampling import logits_to_probs, sample_from_probs  # noqa: E402
+from osd_serve.sampling import greedy_tokens, logits_to_probs, sample_from_probs  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if not kernels.HAS_TRITON:
@@ -202,6 +202,29 @@ def test_greedy_is_argmax_agreement(impl):
         assert out[i].tolist() == expected, i
         assert acc[i] == a
     assert 0 < acc.float().mean() < k  # both agreement and disagreement were exercised
+
+
+@pytest.mark.parametrize("k", [0, 1, 4, 8])
+def test_verify_greedy_equals_the_reference_on_one_hot_p_and_q(k):
+    """The all-greedy fast path gives the reference's tokens and counts for one-hot p and q, on logits
+    full of ties, with per-row k_i (0 included), padding past k_i, and drafts that are not the draft's
+    own argmax (the rule only sees q one-hot at each proposal)."""
+    gen = torch.Generator().manual_seed(11 + k)
+    b, v = 200, 5  # small V: draft and target agree often enough to reach every acceptance count
+    target_logits = torch.randint(-2, 2, (b, k + 1, v), generator=gen).float()  # [B, k+1, V] many ties
+    t_arg = greedy_tokens(target_logits)  # [B, k+1]
+    draft_tokens = torch.where(torch.rand(b, k, generator=gen) < 0.7, t_arg[:, :k],
+                               torch.randint(0, v, (b, k), generator=gen))  # [B, k]
+    num_draft = torch.randint(0, k + 1, (b,), generator=gen)  # [B]
+    draft_tokens = torch.where(torch.arange(k)[None] < num_draft[:, None], draft_tokens, -1)  # padding past k_i
+    p = torch.nn.functional.one_hot(t_arg, v).float()  # [B, k+1, V]
+    q = torch.nn.functional.one_hot(draft_tokens.clamp_min(0), v).float()  # [B, k, V]
+    uniforms = torch.rand(b, k + 1, generator=gen)  # [B, k+1]
+    out, acc = verify_greedy(t_arg, draft_tokens, num_draft)
+    ref_out, ref_acc = verify_reference(p, q, draft_tokens, num_draft, uniforms)
+    assert torch.equal(out, ref_out) and torch.equal(acc, ref_acc)
+    if k:
+        assert set(acc.tolist()) == set(range(k + 1))  # every acceptance count was exercised
 
 
 # --------------------------------------------------------------------------------------------
