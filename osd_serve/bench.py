@@ -109,6 +109,21 @@ def forward_cost(model, batch: int, context: int, vocab: int, device, repeats: i
     return statistics.median(times)
 
 
+def cpu_info() -> dict:
+    """The CPU a report was measured on: runs on different hosts are not comparable, and whether bf16
+    is native (AVX512-BF16, AMX) decides how verification cost grows with k (benchmarks/ENGINE.md)."""
+    try:
+        text = open("/proc/cpuinfo", encoding="utf-8").read()
+    except OSError:  # not Linux
+        return {}
+
+    def field(name: str) -> str:  # the first processor's value
+        return next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith(name)), "")
+
+    flags = set(field("flags").split())
+    return {"model": field("model name"), "bf16_flags": sorted(flags & {"avx512_bf16", "amx_bf16", "amx_tile"})}
+
+
 @dataclass
 class DecoderResult:
     name: str
@@ -315,6 +330,7 @@ def run_bench(
     return {
         "device": str(device),
         "dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
+        "cpu": cpu_info(),
         "threads": torch.get_num_threads(),
         "prompts": len(prompts),
         "max_tokens": max_tokens,
@@ -347,7 +363,8 @@ def summary_table(report: dict, title: str) -> str:
         f"target {report['target_params'] / 1e6:.1f}M params, draft {report['draft_params'] / 1e6:.2f}M, "
         f"{report['prompts']} prompts x {report['max_tokens']} tokens, {report['device']} {report.get('dtype', 'float32')}, "
         f"{report['threads']} threads, "
-        f"median of {report.get('repeats', 1)} interleaved run(s) per decoder",
+        f"median of {report.get('repeats', 1)} interleaved run(s) per decoder"
+        + (f"; CPU {cpu['model']}, native bf16: {', '.join(cpu['bf16_flags']) or 'none'}" if (cpu := report.get("cpu")) else ""),
         "",
         "| batch | c | best k | α | target alone tok/s | HF assisted tok/s | engine k=0 tok/s | engine tok/s | (c)/(a) | (c)/(b) | analytic S | measured/analytic | v | measured/S(v) | prefill share | measured/analytic, no prefill |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
