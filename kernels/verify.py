@@ -73,11 +73,7 @@ def verify_reference(
         dist = p_a  # [B, V]
     final = inverse_cdf_sample(dist, uniforms[:, k])  # [B]
 
-    drafts = torch.cat([draft_tokens, draft_tokens.new_full((b, 1), -1)], dim=1)  # [B, k+1]
-    n = num_accepted.unsqueeze(1)  # [B, 1]
-    out_tokens = torch.where(positions < n, drafts, -1)  # [B, k+1]
-    out_tokens = torch.where(positions == n, final.unsqueeze(1), out_tokens)  # [B, k+1]
-    return out_tokens, num_accepted
+    return emitted_tokens(draft_tokens, num_accepted, final), num_accepted
 
 
 def verify_greedy(
@@ -91,16 +87,21 @@ def verify_greedy(
     the residual after a rejection and the bonus are one-hot at the target's argmax at position a.
     So the result is the same tokens for any uniforms (tests/test_verify.py checks it against the
     reference), at the cost of a comparison instead of gathers and a float64 cumsum over V per row."""
-    b, k1 = target_tokens.shape
-    k = k1 - 1
-    positions = torch.arange(k1, device=target_tokens.device)  # [k+1]
-    num_draft = num_draft.clamp(max=k)  # [B]
-    drafted = positions[:k].unsqueeze(0) < num_draft.unsqueeze(1)  # [B, k]
+    k = draft_tokens.shape[1]
+    positions = torch.arange(k, device=target_tokens.device)  # [k]
+    drafted = positions.unsqueeze(0) < num_draft.clamp(max=k).unsqueeze(1)  # [B, k]
     accept = (draft_tokens == target_tokens[:, :k]) & drafted  # [B, k]
     num_accepted = accept.long().cumprod(dim=1).sum(dim=1)  # [B] leading run of accepts
-    n = num_accepted.unsqueeze(1)  # [B, 1]
-    final = target_tokens.gather(1, n)  # [B, 1] the correction, or the bonus when a == k_i
+    final = target_tokens.gather(1, num_accepted.unsqueeze(1))[:, 0]  # [B] the correction, or the bonus when a == k_i
+    return emitted_tokens(draft_tokens, num_accepted, final), num_accepted
+
+
+def emitted_tokens(draft_tokens: torch.Tensor, num_accepted: torch.Tensor, final: torch.Tensor) -> torch.Tensor:
+    """Each row's output [B, k+1]: its a accepted drafts, then the final token, then -1 padding.
+    draft_tokens [B, k], num_accepted [B] (= a), final [B]."""
+    b, k = draft_tokens.shape
+    positions = torch.arange(k + 1, device=draft_tokens.device)  # [k+1]
     drafts = torch.cat([draft_tokens, draft_tokens.new_full((b, 1), -1)], dim=1)  # [B, k+1]
+    n = num_accepted.unsqueeze(1)  # [B, 1]
     out_tokens = torch.where(positions < n, drafts, -1)  # [B, k+1]
-    out_tokens = torch.where(positions == n, final, out_tokens)  # [B, k+1]
-    return out_tokens, num_accepted
+    return torch.where(positions == n, final.unsqueeze(1), out_tokens)  # [B, k+1]

@@ -253,12 +253,14 @@ class TargetVerifier:
         draft, _ = pad_right([it.draft for it in items])  # [B, k] (k = the longest draft)
         draft = draft.to(dev)
         q = None  # all greedy: accept() needs only the tokens (one-hot q)
-        if not all(it.sampling.greedy for it in items):
+        if not rows.all_greedy:
             q = torch.zeros(b, kmax, self.vocab, device=dev)  # [B, k, V]
             for i, it in enumerate(items):
-                if ks[i] and it.draft_probs is None:  # greedy: the draft's distribution is one-hot at its token
+                if not ks[i]:
+                    continue
+                if it.draft_probs is None:  # greedy: the draft's distribution is one-hot at its token
                     q[i, torch.arange(ks[i]), draft[i, : ks[i]]] = 1.0
-                elif ks[i]:
+                else:
                     q[i, : ks[i]] = it.draft_probs.to(dev, torch.float32)
         u = torch.stack([uniforms(it.sampling.seed, _VERIFY, len(it.history), kmax + 1) for it in items]).to(dev)  # [B, k+1]
         tokens, n_acc, _ = accept(logits, rows, draft, q, u)

@@ -31,6 +31,11 @@ class RowState:
     top_k: torch.Tensor  # [B] int64
     top_p: torch.Tensor  # [B] float32
 
+    @property
+    def all_greedy(self) -> bool:
+        """Every row decodes at temperature 0: p and q are one-hot, and accept() needs only tokens."""
+        return bool((self.temperature == 0).all())
+
     def select(self, rows: torch.Tensor) -> None:
         for f in fields(self):
             setattr(self, f.name, getattr(self, f.name)[rows])
@@ -103,7 +108,7 @@ def propose(draft: BatchKV, rows: RowState, k: int, vocab: int, u_draft: torch.T
     # per draft token, the processing and sampling ops cost a quarter of the draft's own forward on
     # CPU. Same tokens as the general path: q = one-hot of the argmax there too, and inverse-CDF
     # sampling a one-hot returns its index.
-    greedy = bool((rows.temperature == 0).all())
+    greedy = rows.all_greedy
     tokens, probs, raw = [], [], []
     for j in range(k):
         logits = fit_vocab(draft.forward(inp, inp_valid), vocab)  # [B, T, V]
@@ -150,7 +155,7 @@ def speculative_step(
     else:
         draft_tokens = torch.empty(b, 0, dtype=torch.long, device=device)
         draft_logits = torch.empty(b, 0, vocab, device=device)
-        draft_probs = None if bool((rows.temperature == 0).all()) else draft_logits
+        draft_probs = None if rows.all_greedy else draft_logits  # as propose() returns it
     _sync(device)
     t1 = time.perf_counter()
 
