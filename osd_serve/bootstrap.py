@@ -6,11 +6,13 @@ format with one shared byte-level BPE vocabulary, so the rest of osd-serve loads
 downloaded checkpoint. Sizes are set by the two numbers that decide whether speculation pays,
 S = (1 - a^(k+1)) / ((1 - a)(k c + 1)), measured on a 2-core CPU:
   c = draft/target step time (batch 1, KV cache). A 1-layer draft costs ~2 ms, nearly all
-      framework overhead, so the target must do ~20 ms of real work: ~30M fp32 parameters,
-      more than the L3 cache, so every step streams its weights from memory (c ~ 0.09).
+      framework overhead, so the target must do ~20 ms of real work: ~30M fp32 parameters
+      (120 MB; c ~ 0.09-0.15). Where that exceeds the L3 cache every step streams its weights
+      from memory and verifying k+1 tokens costs about what one does (v ~ 1); on a host whose
+      L3 holds it (260 MiB on one), verification turns compute-bound and v grows with k.
   a = greedy acceptance on the target's own greedy path. The draft is trained briefly, then
       distilled on the target's soft labels over the target's own greedy continuations of
-      training prompts (a ~0.8 on held-out stdlib snippets); the rest is left for online
+      training prompts (a ~0.7-0.8 on held-out stdlib snippets); the rest is left for online
       distillation to win.
 The ~10-minute build budget is what limits quality: the target sees ~0.5M tokens, far fewer than a
 30M model wants, so the pair is a realistic *cost* model more than a useful text generator: its
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import hashlib
 import json
 import math
@@ -37,7 +40,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 # Bumped whenever the recipe changes so stale caches are rebuilt rather than trusted.
-BUILD_VERSION = 2
+BUILD_VERSION = 3
 COMPLETE_MARKER = "COMPLETE"
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 
@@ -92,12 +95,15 @@ class PairConfig:
     # of `distill_prompts` training prompts (sequence-level KD, Kim & Rush 2016): acceptance is
     # agreement with the target on the target's path, so that path is the data to learn from.
     # Default pair: greedy acceptance 0.50 (corpus windows, same 100 steps) -> 0.80 (build.json).
+    # An fp32-trained target (v3 builds where bf16 is slower) gave 0.57 after the v2 recipe (256
+    # prompts, 100 steps of 4) and 0.69 after this one (512, 300 of 8); 600 steps stayed at 0.69,
+    # the 1-layer draft's limit. Soft labels are computed once, so the 300 steps cost ~1 minute.
     draft_distill: TrainSchedule | None
     corpus_max_bytes: int  # caps both tokenizer training and the token stream
     n_prompts: int = 64
     alpha_prompts: int = 16  # quick acceptance estimate recorded in build.json; 0 skips it
     alpha_new_tokens: int = 32
-    distill_prompts: int = 256
+    distill_prompts: int = 512
     distill_new_tokens: int = 64
     seed: int = 0
 
@@ -118,7 +124,7 @@ PRESETS: dict[str, PairConfig] = {
         draft=ModelDims(hidden=192, layers=1, intermediate=512, heads=4, kv_heads=4, tie_embeddings=True),  # 1.2M
         target_train=TrainSchedule(steps=500, batch=4, lr=2e-3, warmup=30),
         draft_train=TrainSchedule(steps=300, batch=8, lr=3e-3, warmup=20),
-        draft_distill=TrainSchedule(steps=100, batch=4, lr=1e-3, warmup=0),
+        draft_distill=TrainSchedule(steps=300, batch=8, lr=1e-3, warmup=0),
     ),
     "tiny": PairConfig(  # for tests: seconds, not quality
         vocab_size=300, seq_len=32, corpus_max_bytes=60_000, n_prompts=4, alpha_prompts=2, alpha_new_tokens=4,
@@ -206,10 +212,61 @@ def _cpu_has_bf16() -> bool:
         return False
 
 
+@functools.cache
+def use_bf16_autocast() -> bool:
+    """Whether training and the target's continuations run under bf16 autocast: only where the
+    CPU has native bf16 *and* it is measurably faster here. Native bf16 is not enough: with AMX,
+    bf16 matmuls ran ~1.6x faster than fp32, but on an AVX512-BF16 host without AMX a training step
+    was ~1.5x *slower* (target 1.46 vs 0.90 s), which pushed the default build from ~9 to ~16
+    minutes. So time one training-shaped linear, forward and backward, both ways (~0.5 s, once per
+    process), and keep fp32 unless bf16 wins by 10%."""
+    if not _cpu_has_bf16():
+        return False
+
+    def step_time(bf16: bool) -> float:
+        x = torch.randn(1024, 512, requires_grad=True)  # [tokens, hidden]: a batch of 4 x 256
+        w = torch.randn(1408, 512, requires_grad=True)  # [intermediate, hidden]: the target's MLP
+        t0 = time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            y = F.linear(x, w)  # [tokens, intermediate]
+        y.float().sum().backward()
+        return time.perf_counter() - t0
+
+    # Interleaved, best of 8 each after 2 warm-ups: right after the models are built the first
+    # fp32 calls ran 1.7-3x slower than their steady state, which once tipped a single median
+    # the wrong way (fp32 38.8 vs bf16 29.0 ms, where steady fp32 is ~17 ms).
+    times: dict[bool, list[float]] = {False: [], True: []}
+    with torch.inference_mode(False), torch.enable_grad():  # the first caller may be under no_grad
+        for i in range(10):
+            for bf16 in (False, True):
+                t = step_time(bf16)
+                if i >= 2:
+                    times[bf16].append(t)
+    fp32, bf16 = min(times[False]), min(times[True])
+    print(f"[bootstrap] bf16 autocast {'on' if bf16 < 0.9 * fp32 else 'off'}: a training-shaped matmul takes "
+          f"{bf16 * 1e3:.1f} ms in bf16, {fp32 * 1e3:.1f} ms in fp32", file=sys.stderr)
+    return bf16 < 0.9 * fp32
+
+
+@torch.no_grad()
+def teacher_log_probs(teacher, windows: torch.Tensor, batch: int = 8) -> torch.Tensor:
+    """The teacher's next-token log-probabilities over fixed windows [n, seq_len] -> [n, seq_len, vocab],
+    computed once: the 30M target's forward was ~85% of a distillation step's time, and distilling
+    over the same windows again then costs only the 1.2M draft's forward and backward."""
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16_autocast())
+    out = []
+    for i in tqdm(range(0, len(windows), batch), desc="teacher soft labels", unit="batch"):
+        with autocast:
+            logits = teacher(input_ids=windows[i : i + batch]).logits  # [b, seq_len, vocab]
+        out.append(F.log_softmax(logits.float(), -1))
+    return torch.cat(out)
+
+
 def train_lm(model, stream: torch.Tensor, seq_len: int, sched: TrainSchedule, seed: int, desc: str,
              teacher=None) -> float:
-    """AdamW on random windows of `stream`: next-token cross-entropy, or with a `teacher`,
-    KL(teacher || model) on its soft labels. Returns the smoothed final loss."""
+    """AdamW on windows of `stream`: next-token cross-entropy on random windows, or with a `teacher`,
+    KL(teacher || model) on its soft labels, over the stream cut into consecutive windows whose
+    labels are computed once (`teacher_log_probs`). Returns the smoothed final loss."""
     gen = torch.Generator().manual_seed(seed)
     groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
               {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]  # norm gains
@@ -221,29 +278,33 @@ def train_lm(model, stream: torch.Tensor, seq_len: int, sched: TrainSchedule, se
         t = (step - sched.warmup) / max(1, sched.steps - sched.warmup)
         return sched.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * t)))
 
-    n_windows = len(stream) - seq_len
-    if n_windows < 1:
+    if len(stream) <= seq_len:
         raise ValueError(f"corpus has {len(stream)} tokens, not more than seq_len={seq_len}")
-    # bf16 matmuls (fp32 master weights) where the CPU has native bf16: ~1.6x faster here.
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=_cpu_has_bf16())
+    if teacher is not None:
+        windows = stream[: len(stream) // seq_len * seq_len].view(-1, seq_len)  # [n, seq_len]
+        soft = teacher_log_probs(teacher, windows)  # [n, seq_len, vocab]
+    # bf16 matmuls (fp32 master weights) where they are faster on this CPU.
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16_autocast())
     model.train()
     ema = None
     bar = tqdm(range(sched.steps), desc=desc, unit="step")
     for step in bar:
-        starts = torch.randint(0, n_windows, (sched.batch,), generator=gen)
-        batch = torch.stack([stream[s : s + seq_len] for s in starts.tolist()])  # [batch, seq_len]
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
+        if teacher is None:
+            starts = torch.randint(0, len(stream) - seq_len, (sched.batch,), generator=gen)
+            batch = torch.stack([stream[s : s + seq_len] for s in starts.tolist()])  # [batch, seq_len]
+        else:
+            rows = torch.randint(0, len(windows), (sched.batch,), generator=gen)
+            batch = windows[rows]  # [batch, seq_len]
         with autocast:
             logits = model(input_ids=batch).logits.float()  # [batch, seq_len, vocab]
-            if teacher is None:
-                loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten())
-            else:
-                with torch.no_grad():
-                    t_logits = teacher(input_ids=batch).logits.float()  # [batch, seq_len, vocab]
-                # batchmean over the flattened tokens = mean per-token KL.
-                loss = F.kl_div(F.log_softmax(logits, -1).flatten(0, 1), F.log_softmax(t_logits, -1).flatten(0, 1),
-                                log_target=True, reduction="batchmean")
+        if teacher is None:
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten())
+        else:
+            # batchmean over the flattened tokens = mean per-token KL.
+            loss = F.kl_div(F.log_softmax(logits, -1).flatten(0, 1), soft[rows].flatten(0, 1),
+                            log_target=True, reduction="batchmean")
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -271,7 +332,7 @@ def greedy_continuations(target, tokenizer, prompts: list[str], new_tokens: int,
 
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     ids: list[int] = []
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=_cpu_has_bf16())
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16_autocast())
     for i in tqdm(range(0, len(prompts), batch), desc="target continuations", unit="batch"):
         rows = [tokenizer(p)["input_ids"] for p in prompts[i : i + batch]]
         inp, mask = pad_left(rows, pad)  # [b, width]
@@ -456,7 +517,7 @@ def _build_into(out: Path, data_files: list[str] | None, cfg: PairConfig, preset
         "corpus": {"train_docs": len(train_docs), "heldout_docs": len(held_docs),
                    "train_tokens": len(stream), "vocab_size": len(tokenizer)},
         "params": {"target": n_target, "draft": n_draft}, "losses": losses, "alpha_estimate": alpha,
-        "elapsed_s": round(elapsed, 1), "torch": torch.__version__, "bf16_autocast": _cpu_has_bf16(),
+        "elapsed_s": round(elapsed, 1), "torch": torch.__version__, "bf16_autocast": use_bf16_autocast(),
     }
 
 
