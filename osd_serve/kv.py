@@ -10,6 +10,9 @@ set fraction of the columns, :meth:`BatchKV.compact` squeezes them out with one 
 
 Rows are right-aligned after compaction and merges (holes on the left), and prompts are right-padded,
 so no query row is ever fully masked.
+
+Appending is in place (:class:`GrowingLayer`): Hugging Face's ``DynamicLayer`` concatenates, which
+copies a layer's whole cache on every forward.
 """
 
 from __future__ import annotations
@@ -18,6 +21,71 @@ import copy
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+
+class GrowingLayer(DynamicLayer):
+    """A ``DynamicLayer`` that appends into spare capacity in place, growing by half when full.
+
+    Why: ``DynamicLayer.update`` concatenates, so every forward copies the layer's whole cache: O(P) per
+    forward and quadratic over a generation. At batch 8 with 1,500 cached tokens that copy made a 1-token
+    forward of the default target 69 ms instead of 31 ms on a 2-core CPU. ``StaticLayer`` preallocates,
+    but to a fixed maximum length that attention then reads in full at every step.
+
+    ``keys``/``values`` stay plain views [B, H, n, D] of the buffers, so everything that reads, crops or
+    replaces them (holes, compaction, row selection, merges) works unchanged. The layer writes in place
+    only while ``keys`` is still the head of its own buffer; after any replacement, and after
+    :meth:`disown` (the buffer may be shared, see ``_copy_cache``), the next update first copies into a
+    fresh buffer. So a write never lands in memory another tensor still reads.
+    """
+
+    _kbuf: torch.Tensor | None = None
+    _vbuf: torch.Tensor | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.disown()
+
+    def disown(self) -> None:
+        self._kbuf = self._vbuf = None  # [B, H, capacity, D] each
+
+    def _writable(self, n: int, t: int) -> bool:
+        k, buf = self.keys, self._kbuf
+        return (
+            buf is not None
+            and k.dim() == 4
+            and k.data_ptr() == buf.data_ptr()
+            and k.shape[:2] == buf.shape[:2]
+            and k.stride() == buf.stride()
+            and n + t <= buf.shape[2]
+            and (torch.is_inference_mode_enabled() or not buf.is_inference())
+        )
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """key_states, value_states [B, H, t, D] -> keys, values [B, H, n+t, D] (views of the buffers)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = self.keys.shape[-2] if self.keys.dim() == 4 else 0
+        t = key_states.shape[-2]
+        if not self._writable(n, t):
+            b, h, _, d = key_states.shape
+            capacity = n + t + max(64, (n + t) // 2)
+            kbuf, vbuf = key_states.new_empty(b, h, capacity, d), value_states.new_empty(b, h, capacity, d)
+            if n:
+                kbuf[:, :, :n], vbuf[:, :, :n] = self.keys, self.values
+            self._kbuf, self._vbuf = kbuf, vbuf
+        self._kbuf[:, :, n : n + t] = key_states
+        self._vbuf[:, :, n : n + t] = value_states
+        self.keys, self.values = self._kbuf[:, :, : n + t], self._vbuf[:, :, : n + t]
+        return self.keys, self.values
+
+
+def new_cache(config) -> DynamicCache:
+    """A ``DynamicCache`` for ``config`` whose full-attention layers append in place (sliding-window and
+    other special layers keep their own classes)."""
+    cache = DynamicCache(config=config)
+    cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
 
 
 class BatchKV:
@@ -50,7 +118,7 @@ class BatchKV:
         returns     [B, T, V] logits.
         """
         if self.cache is None:
-            self.cache = DynamicCache(config=self.model.config)
+            self.cache = new_cache(self.model.config)
         offs = input_valid.long().cumsum(1) - 1  # [B, T]
         pos = self.length[:, None] + offs.clamp_min(0)  # [B, T]
         mask = torch.cat([self.valid, input_valid], dim=1)  # [B, P+T]
@@ -170,9 +238,13 @@ class BatchKV:
 
 
 def _copy_cache(cache: DynamicCache) -> DynamicCache:
-    """A new DynamicCache object with new layer objects that still point at the same tensors."""
+    """A new DynamicCache object with new layer objects that still point at the same tensors. Both sides
+    then share buffers, so neither may append into them in place any more: each copies on its next write."""
     new = copy.copy(cache)
     new.layers = [copy.copy(layer) for layer in cache.layers]
+    for layer in cache.layers + new.layers:
+        if isinstance(layer, GrowingLayer):
+            layer.disown()
     return new
 
 

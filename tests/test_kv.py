@@ -6,6 +6,7 @@ import torch
 
 from osd_serve.config import EngineConfig, SamplingParams
 from osd_serve.engine import SpecEngine
+from osd_serve.kv import BatchKV, GrowingLayer, new_cache
 from tests.conftest import llama, perturbed
 
 
@@ -63,3 +64,49 @@ def test_compaction_keeps_content(tok):
     assert kv.width == int(kv.length.max()) < width
     for i in range(3):
         assert torch.equal(_row_cache(kv, i, 1), before[i])
+
+
+@torch.inference_mode()
+def test_growing_cache_matches_dynamic_cache_and_appends_in_place(tok):
+    """Same logits as Hugging Face's concatenating cache through appends and crops, and appends within
+    capacity reuse the buffer (no copy of the cache per forward)."""
+    from transformers import DynamicCache
+
+    model = llama(len(tok), layers=2, seed=7)
+    grow, ref = new_cache(model.config), DynamicCache(config=model.config)
+    assert all(isinstance(layer, GrowingLayer) for layer in grow.layers)
+    g = torch.Generator().manual_seed(0)
+    in_place = 0
+    for step, (t, crop) in enumerate([(7, 0), (1, 0), (4, 2), (1, 0), (6, 3), (1, 1), (3, 0)] * 12):
+        ids = torch.randint(3, len(tok), (2, t), generator=g)
+        before = grow.layers[0]._kbuf
+        out_g = model(ids, past_key_values=grow, use_cache=True).logits
+        out_r = model(ids, past_key_values=ref, use_cache=True).logits
+        torch.testing.assert_close(out_g, out_r, rtol=1e-5, atol=1e-5)
+        in_place += grow.layers[0]._kbuf is before
+        assert grow.layers[0].keys.data_ptr() == grow.layers[0]._kbuf.data_ptr()
+        if crop:
+            grow.crop(-crop)
+            ref.crop(-crop)
+        for a, b in zip(grow.layers, ref.layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    assert grow.get_seq_length() == ref.get_seq_length() > 200
+    assert in_place > 70  # of 84 forwards; only growth (by half each time) reallocates
+
+
+@torch.inference_mode()
+def test_split_rows_keep_their_cache_when_the_batch_writes_on(tok):
+    """split() hands out views of the batch's buffers: rolling the batch back and appending again must
+    not write into memory a split row still reads (copy-on-write after _copy_cache)."""
+    model = llama(len(tok), layers=2, seed=8)
+    kv = BatchKV(model, 2, torch.device("cpu"))
+    ids = torch.randint(3, len(tok), (2, 9), generator=torch.Generator().manual_seed(1))
+    kv.forward(ids, torch.ones(2, 9, dtype=torch.bool))
+    rows = kv.split()
+    kept = [[(layer.keys.clone(), layer.values.clone()) for layer in r.cache.layers] for r in rows]
+    kv.truncate(torch.tensor([4, 4]))  # crops the common suffix: the next append reuses those columns
+    kv.forward(ids[:, :5].flip(1), torch.ones(2, 5, dtype=torch.bool))
+    rows[0].forward(ids[:1, :3], torch.ones(1, 3, dtype=torch.bool))  # a split row appends too
+    for r, saved in zip(rows, kept):
+        for layer, (k, v) in zip(r.cache.layers, saved):
+            assert torch.equal(layer.keys[:, :, :9], k) and torch.equal(layer.values[:, :, :9], v)
