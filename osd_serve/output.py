@@ -116,10 +116,9 @@ class Request:
         for s in p.stop:
             # Only text from the last step can complete a stop string first seen now.
             at = self.text.find(s, max(0, searched - len(s) + 1))
-            if at >= 0:
+            if at >= 0:  # later stops search the truncated text, so the earliest one wins
                 self.text = self.text[:at]
                 self.finish_reason = "stop"
-                searched = at
 
     def _render(self, tokenizer, ids: list[int], start: int) -> str:
         """The text of ``ids``. While running, only the new ids ``ids[start:]`` are decoded, by the

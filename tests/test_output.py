@@ -72,3 +72,15 @@ def test_stop_string_spanning_steps_and_eos(bpe):
     r = _request(max_tokens=50)
     r.append(ids[:3] + [eos] + ids[3:6], bpe, {eos})
     assert r.finish_reason == "stop" and r.output_ids == ids[:3] + [eos] and r.text == bpe.decode(ids[:3])
+
+
+def test_earliest_of_several_stop_strings_wins_within_one_step(bpe):
+    ids = bpe.encode(TEXT)
+    text = bpe.decode(ids)
+    early, late = "wörld", "café"  # listed late-first; both arrive in one step after some streamed text
+    cut = len(bpe.encode(TEXT[:3]))
+    r = _request(max_tokens=len(ids), stop=[late, early])
+    r.append(ids[:cut], bpe, {bpe.eos_token_id})
+    assert not r.finished and 0 < len(r.text) < text.find(early)
+    r.append(ids[cut:], bpe, {bpe.eos_token_id})
+    assert r.finish_reason == "stop" and r.text == text[: text.find(early)]
