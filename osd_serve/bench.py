@@ -336,6 +336,8 @@ def run_bench(
         "max_tokens": max_tokens,
         "repeats": repeats,
         "target_params": sum(p.numel() for p in target.parameters()),
+        # kernels/cpu_linear.py: every decoder here runs this same target object, packed or not
+        "target_packed_linears": sum(type(m).__name__ == "PackedLinear" for m in target.modules()),
         "draft_params": sum(p.numel() for p in draft.parameters()),
         "summary": summary,
         "results": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in results],
@@ -363,7 +365,8 @@ def summary_table(report: dict, title: str) -> str:
         f"target {report['target_params'] / 1e6:.1f}M params, draft {report['draft_params'] / 1e6:.2f}M, "
         f"{report['prompts']} prompts x {report['max_tokens']} tokens, {report['device']} {report.get('dtype', 'float32')}, "
         f"{report['threads']} threads, "
-        f"median of {report.get('repeats', 1)} interleaved run(s) per decoder"
+        + (f"target linears on oneDNN prepacked weights ({n}), " if (n := report.get("target_packed_linears")) else "")
+        + f"median of {report.get('repeats', 1)} interleaved run(s) per decoder"
         + (f"; CPU {cpu['model']}, native bf16: {', '.join(cpu['bf16_flags']) or 'none'}" if (cpu := report.get("cpu")) else ""),
         "",
         "| batch | c | best k | α | target alone tok/s | HF assisted tok/s | engine k=0 tok/s | engine tok/s | (c)/(a) | (c)/(b) | analytic S | measured/analytic | v | measured/S(v) | prefill share | measured/analytic, no prefill |",

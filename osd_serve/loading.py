@@ -21,6 +21,7 @@ class ModelConfig:
     # name -> directory of a peft LoRA adapter (adapter_config.json + adapter_model.safetensors)
     draft_adapters: dict[str, str] = field(default_factory=dict)
     attn_implementation: str = "auto"  # auto | flash_attention_2 | sdpa | eager
+    cpu_packed_linear: bool = True  # on CPU, the target's linears on oneDNN prepacked weights (kernels/cpu_linear.py)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -125,12 +126,24 @@ def attach_adapter(draft, name: str, path: str):
     return PeftModel.from_pretrained(draft, str(p), adapter_name=name).eval()
 
 
+def pack_target(target, cfg: ModelConfig) -> int:
+    """The target never trains, so on CPU its linear layers can keep a prepacked copy of their weights
+    for oneDNN, which multiplies the skinny inputs of a verification 1.1-2.3x faster than MKL's sgemm
+    (kernels/cpu_linear.py). The draft does not: it is distilled, and every update would repack it."""
+    if not cfg.cpu_packed_linear or cfg.resolved_device().type != "cpu":
+        return 0
+    from kernels.cpu_linear import pack_linears
+
+    return pack_linears(target)
+
+
 def load_pair(cfg: ModelConfig):
     """Returns (target, draft, tokenizer). Fails before anything is served if the pair is unusable."""
     device, dtype = cfg.resolved_device(), cfg.resolved_dtype()
     ttok, dtok = load_tokenizer(cfg.target, "target"), load_tokenizer(cfg.draft, "draft")
     check_same_vocab(ttok, dtok)
     target = load_model(cfg.target, "target", device, dtype, cfg.attn_implementation)
+    pack_target(target, cfg)
     draft = load_model(cfg.draft, "draft", device, dtype, cfg.attn_implementation)
     for name, path in cfg.draft_adapters.items():
         draft = attach_adapter(draft, name, path)

@@ -38,7 +38,8 @@ def load_models(cfg):
     from .loading import ModelConfig, load_pair
 
     target, draft = model_paths(cfg)
-    return load_pair(ModelConfig(target=target, draft=draft, dtype=cfg.dtype, device=cfg.device))
+    return load_pair(ModelConfig(target=target, draft=draft, dtype=cfg.dtype, device=cfg.device,
+                                 cpu_packed_linear=cfg.cpu_packed_linear))
 
 
 def expert_draft(base, adapter: str | None):

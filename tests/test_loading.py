@@ -33,6 +33,17 @@ def test_load_pair_from_directories(saved_pair):
     assert len(out.token_ids) == 5
 
 
+def test_target_linears_packed_on_cpu_only_when_asked(saved_pair):
+    """The frozen target gets oneDNN-prepacked linears (kernels/cpu_linear.py); the distilled draft never."""
+    root, _ = saved_pair
+    kinds = lambda m: {type(x).__name__ for x in m.modules() if isinstance(x, torch.nn.Linear)}  # noqa: E731
+    target, draft, _ = load_pair(ModelConfig(target=str(root / "target"), draft=str(root / "draft"), device="cpu"))
+    assert kinds(target) == {"PackedLinear"} and kinds(draft) == {"Linear"}
+    target, _, _ = load_pair(ModelConfig(target=str(root / "target"), draft=str(root / "draft"), device="cpu",
+                                         cpu_packed_linear=False))
+    assert kinds(target) == {"Linear"}
+
+
 def test_dtype_from_config(saved_pair):
     root, _ = saved_pair
     target, _, _ = load_pair(ModelConfig(target=str(root / "target"), draft=str(root / "draft"), device="cpu", dtype="bfloat16"))

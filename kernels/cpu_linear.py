@@ -1,0 +1,76 @@
+"""Linear layers of the frozen target on CPU, with weights prepacked for oneDNN for the row counts
+where that is faster than ``F.linear`` (the torch reference, which every other call still takes).
+
+Why: a verification forward multiplies every weight matrix by batch x (k+1) rows, 2 to 72 here.
+PyTorch's float32 ``F.linear`` on CPU calls MKL sgemm, whose kernel for such skinny inputs is slow:
+on the 2-core CI host, a [16, 512] x [512, 1408] product takes 231 us with it and 99 us with oneDNN on
+a prepacked weight; for a 25 MB weight MKL streams the matrix once per 3 rows (m = 1..3: 0.45 ms,
+4..6: 0.88 ms, 7..9: 1.3 ms) where oneDNN reads it once (0.50 ms up to m = 6). For 1 to ~12 rows of a
+small matrix MKL wins instead (oneDNN costs ~15 us more per call), so the choice is by row count
+(``benchmarks/cpu_linear.py`` prints the table this rule comes from). The two ops are the ones
+PyTorch's own Inductor emits for a frozen CPU linear (``mkldnn._reorder_linear_weight`` +
+``mkldnn._linear_pointwise``); we call them directly because compiling a model whose KV cache grows
+every step recompiles on each new length.
+
+Only for models that do not train (the target): a packed copy goes stale when the weight changes, so
+each call checks the weight's version counter and storage and repacks if either moved. Costs one
+extra copy of the linear weights in memory.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# float32 (MKL behind F.linear): packed from 4 rows for a weight past 4 MiB, where MKL's re-streaming
+# of the weight every 3 rows dominates, and from 16 rows for any weight
+LARGE_WEIGHT_BYTES = 4 << 20
+MIN_ROWS_LARGE = 4
+MIN_ROWS = 16
+# bfloat16 F.linear already runs on oneDNN but reorders the weight on every call: packed always wins
+MIN_ROWS_BF16 = 1
+
+
+def packable() -> bool:
+    return torch.backends.mkldnn.is_available()
+
+
+class PackedLinear(nn.Linear):
+    """An ``nn.Linear`` (same parameters, same state dict) that routes inference calls with enough
+    rows to oneDNN on a prepacked copy of its weight."""
+
+    def _pack(self) -> None:
+        w = self.weight.detach()
+        # the batch-size hint only picks oneDNN's weight layout; any row count works with it
+        self._packed = torch.ops.mkldnn._reorder_linear_weight(w, MIN_ROWS)
+        self._packed_of = (w._version, w.data_ptr(), w.dtype)
+        if w.dtype == torch.bfloat16:
+            self._min_rows = MIN_ROWS_BF16
+        else:
+            self._min_rows = MIN_ROWS_LARGE if w.numel() * w.element_size() >= LARGE_WEIGHT_BYTES else MIN_ROWS
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // max(1, x.shape[-1])
+        if rows < self._min_rows or torch.is_grad_enabled() or not x.is_cpu or x.dtype != self.weight.dtype:
+            return F.linear(x, self.weight, self.bias)
+        w = self.weight
+        if self._packed_of != (w._version, w.data_ptr(), w.dtype):  # weights were loaded or moved since
+            self._pack()
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Turn every plain ``nn.Linear`` of a CPU float32/bfloat16 model into a ``PackedLinear`` in place.
+    Returns how many were converted (0 where oneDNN is unavailable or the model is elsewhere)."""
+    if not packable():
+        return 0
+    n = 0
+    for mod in model.modules():
+        w = getattr(mod, "weight", None)
+        # inference tensors keep no version counter, so a change to one could not be noticed
+        if type(mod) is nn.Linear and w.is_cpu and not w.is_inference() and w.dtype in (torch.float32, torch.bfloat16):
+            mod.__class__ = PackedLinear
+            mod._pack()
+            n += 1
+    return n

@@ -1,0 +1,101 @@
+"""kernels/cpu_linear.py against its torch reference F.linear, its dispatch by row count, its repacking
+when weights change, and a packed target still decoding exactly like the unpacked one."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import cpu_linear
+from kernels.cpu_linear import PackedLinear, pack_linears
+from osd_serve.config import SamplingParams
+from osd_serve.engine import SpecEngine
+from tests.conftest import llama, perturbed
+
+pytestmark = pytest.mark.skipif(not cpu_linear.packable(), reason="this torch has no oneDNN")
+
+
+def _packed(out_f: int, in_f: int, dtype, bias: bool, seed: int = 0) -> nn.Linear:
+    torch.manual_seed(seed)
+    lin = nn.Linear(in_f, out_f, bias=bias).to(dtype)
+    assert pack_linears(lin) == 1 and type(lin) is PackedLinear
+    return lin
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_f,in_f,bias", [(7, 13, True), (64, 32, False), (1408, 512, False), (2100, 1100, True)])
+@pytest.mark.parametrize("lead", [(1,), (3,), (1, 16), (8, 6), (2, 3, 5), (72,)])
+def test_matches_reference(dtype, out_f, in_f, bias, lead):
+    lin = _packed(out_f, in_f, dtype, bias)
+    x = torch.randn(*lead, in_f).to(dtype)
+    with torch.inference_mode():
+        got = lin(x)
+    want = F.linear(x.float(), lin.weight.float(), None if lin.bias is None else lin.bias.float())
+    assert got.shape == (*lead, out_f) and got.dtype == dtype
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.float(), want, atol=tol * in_f ** 0.5, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype,out_f,small,large", [
+    (torch.float32, 64, cpu_linear.MIN_ROWS - 1, cpu_linear.MIN_ROWS),
+    (torch.float32, 2100, cpu_linear.MIN_ROWS_LARGE - 1, cpu_linear.MIN_ROWS_LARGE),  # 2100 x 1100 x 4 B > 4 MiB
+    (torch.bfloat16, 64, None, cpu_linear.MIN_ROWS_BF16),
+])
+def test_dispatch_by_rows(dtype, out_f, small, large):
+    """Swap the packed copy for one of another weight: calls that take the packed path show it."""
+    lin = _packed(out_f, 1100, dtype, bias=False)
+    other = torch.randn_like(lin.weight)
+    lin._packed = torch.ops.mkldnn._reorder_linear_weight(other, 16)
+    with torch.inference_mode():
+        x = torch.randn(large, 1100).to(dtype)
+        torch.testing.assert_close(lin(x).float(), F.linear(x, other).float(), atol=0.5, rtol=0.05)
+        if small:
+            x = torch.randn(small, 1100).to(dtype)
+            torch.testing.assert_close(lin(x), F.linear(x, lin.weight))
+    with torch.no_grad():  # no_grad, not inference mode: what HF generate runs under
+        x = torch.randn(large, 1100).to(dtype)
+        torch.testing.assert_close(lin(x).float(), F.linear(x, other).float(), atol=0.5, rtol=0.05)
+
+
+def test_repacks_when_weights_change():
+    lin = _packed(64, 32, torch.float32, bias=True)
+    x = torch.randn(20, 32)
+    with torch.no_grad():
+        lin.weight.mul_(-2.0)  # in place: the version counter moves
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
+        lin.load_state_dict({"weight": torch.randn(64, 32), "bias": torch.randn(64)})
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
+    lin.weight = nn.Parameter(torch.randn(64, 32))  # replaced: the storage moves
+    with torch.inference_mode():
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
+
+
+def test_training_takes_the_reference_path():
+    lin = _packed(64, 32, torch.float32, bias=True)
+    x = torch.randn(20, 32, requires_grad=True)
+    lin(x).sum().backward()
+    assert lin.weight.grad is not None and torch.allclose(x.grad, lin.weight.sum(0).expand(20, 32))
+
+
+def test_inference_tensors_are_left_alone():
+    with torch.inference_mode():
+        lin = nn.Linear(8, 8)
+    assert pack_linears(lin) == 0 and type(lin) is nn.Linear
+
+
+def test_packed_target_decodes_like_the_unpacked_one(tok):
+    """Batch 8 with k=3 verifies 32 rows per forward, so every linear takes the packed path."""
+    target = llama(len(tok), hidden=64, layers=2, seed=0)
+    draft = perturbed(target, 0.05)
+    packed = copy.deepcopy(target)
+    assert pack_linears(packed) == 2 * 7 + 1  # q k v o gate up down per layer, and lm_head
+    prompts = [[3 + (7 * i + j) % 60 for j in range(3 + i % 5)] for i in range(8)]
+    params = SamplingParams(max_tokens=24, num_speculative_tokens=3, ignore_eos=True)
+    with torch.inference_mode():
+        want = [o.token_ids for o in SpecEngine(target, draft, tok).generate(prompts, params)]
+        got = [o.token_ids for o in SpecEngine(packed, draft, tok).generate(prompts, params)]
+    assert got == want
