@@ -50,11 +50,18 @@ class PackedLinear(nn.Linear):
         else:
             self._min_rows = MIN_ROWS_LARGE if w.numel() * w.element_size() >= LARGE_WEIGHT_BYTES else MIN_ROWS
 
+    def __getstate__(self) -> dict:
+        # oneDNN's packed tensor has no storage to copy or pickle: deepcopy and pickle (Ray) carry the
+        # module without it, and its first packed call repacks
+        return self.__dict__ | {"_packed": None, "_packed_of": None}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // max(1, x.shape[-1])
-        if rows < self._min_rows or torch.is_grad_enabled() or not x.is_cpu or x.dtype != self.weight.dtype:
-            return F.linear(x, self.weight, self.bias)
         w = self.weight
+        # an inference-tensor weight (a copy made in inference mode) keeps no version counter, so a
+        # packed copy of it could go stale unnoticed: the reference path
+        if rows < self._min_rows or torch.is_grad_enabled() or not x.is_cpu or x.dtype != w.dtype or w.is_inference():
+            return F.linear(x, w, self.bias)
         if self._packed_of != (w._version, w.data_ptr(), w.dtype):  # weights were loaded or moved since
             self._pack()
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")

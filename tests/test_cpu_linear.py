@@ -74,6 +74,23 @@ def test_repacks_when_weights_change():
         torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
 
 
+def test_deepcopy_and_pickle_repack():
+    import pickle
+
+    lin = _packed(64, 32, torch.float32, bias=True)
+    x = torch.randn(20, 32)
+    copies = [copy.deepcopy(lin), pickle.loads(pickle.dumps(lin))]
+    with torch.inference_mode():
+        want = lin(x)
+        copies.append(copy.deepcopy(lin))  # inference-tensor weights: served by F.linear
+        for other in copies:
+            assert type(other) is PackedLinear
+            torch.testing.assert_close(other(x), want)
+        torch.testing.assert_close(lin(x), want)  # the original keeps its packed copy
+        copies[-1].weight.mul_(2)  # no version counter to see this by: must not use a stale pack
+        torch.testing.assert_close(copies[-1](x), F.linear(x, copies[-1].weight, lin.bias))
+
+
 def test_training_takes_the_reference_path():
     lin = _packed(64, 32, torch.float32, bias=True)
     x = torch.randn(20, 32, requires_grad=True)
