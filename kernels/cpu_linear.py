@@ -4,7 +4,7 @@ where that is faster than ``F.linear`` (the torch reference, which every other c
 Why: a verification forward multiplies every weight matrix by batch x (k+1) rows, 2 to 72 here.
 PyTorch's float32 ``F.linear`` on CPU calls MKL sgemm, whose kernel for such skinny inputs is slow:
 on the 2-core CI host, a [16, 512] x [512, 1408] product takes 231 us with it and 99 us with oneDNN on
-a prepacked weight; for a 25 MB weight MKL streams the matrix once per 3 rows (m = 1..3: 0.45 ms,
+a prepacked weight (1.1-2.3x at 16-48 rows, about even at 72); for a 25 MB weight MKL streams the matrix once per 3 rows (m = 1..3: 0.45 ms,
 4..6: 0.88 ms, 7..9: 1.3 ms) where oneDNN reads it once (0.50 ms up to m = 6). For 1 to ~12 rows of a
 small matrix MKL wins instead (oneDNN costs ~15 us more per call), so the choice is by row count
 (``benchmarks/cpu_linear.py`` prints the table this rule comes from). The two ops are the ones
@@ -13,8 +13,10 @@ PyTorch's own Inductor emits for a frozen CPU linear (``mkldnn._reorder_linear_w
 every step recompiles on each new length.
 
 Only for models that do not train (the target): a packed copy goes stale when the weight changes, so
-each call checks the weight's version counter and storage and repacks if either moved. Costs one
-extra copy of the linear weights in memory.
+each call checks the weight's version counter and storage and repacks if either moved. That sees
+writes through the parameter (``copy_``, ``load_state_dict``, in-place ops, assignment, ``.to()``) but
+not writes through ``weight.data`` (its own version counter, same storage), which peft's LoRA merge
+uses: never merge adapters into a packed model. Costs one extra copy of the linear weights in memory.
 """
 
 from __future__ import annotations
@@ -58,9 +60,11 @@ class PackedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // max(1, x.shape[-1])
         w = self.weight
-        # an inference-tensor weight (a copy made in inference mode) keeps no version counter, so a
-        # packed copy of it could go stale unnoticed: the reference path
-        if rows < self._min_rows or torch.is_grad_enabled() or not x.is_cpu or x.dtype != w.dtype or w.is_inference():
+        # F.linear instead: an inference-tensor weight (a copy made in inference mode) keeps no version
+        # counter, so its packed copy could go stale unnoticed; under autocast F.linear casts and
+        # mkldnn's op, not on autocast's list, would not
+        if (rows < self._min_rows or torch.is_grad_enabled() or not x.is_cpu or x.dtype != w.dtype or w.is_inference()
+                or torch.is_autocast_enabled("cpu")):
             return F.linear(x, w, self.bias)
         if self._packed_of != (w._version, w.data_ptr(), w.dtype):  # weights were loaded or moved since
             self._pack()

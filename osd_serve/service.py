@@ -49,7 +49,7 @@ def expert_draft(base, adapter: str | None):
         return d
     from .loading import attach_adapter
 
-    return attach_adapter(d, os.path.expanduser(adapter)).merge_and_unload()
+    return attach_adapter(d, "expert", os.path.expanduser(adapter)).merge_and_unload()
 
 
 class SpecService:

@@ -91,6 +91,15 @@ def test_deepcopy_and_pickle_repack():
         torch.testing.assert_close(copies[-1](x), F.linear(x, copies[-1].weight, lin.bias))
 
 
+def test_autocast_casts_like_the_reference():
+    lin = _packed(64, 32, torch.float32, bias=True)
+    x = torch.randn(20, 32)
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = lin(x), F.linear(x, lin.weight, lin.bias)
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want)
+
+
 def test_training_takes_the_reference_path():
     lin = _packed(64, 32, torch.float32, bias=True)
     x = torch.randn(20, 32, requires_grad=True)

@@ -112,3 +112,14 @@ def test_lora_adapter_attaches_from_safetensors_and_pickle_is_refused(saved_pair
     cfg.draft_adapters = {"bad": str(tmp_path / "pickled")}
     with pytest.raises(ValueError, match="safetensors"):
         load_pair(cfg)
+    # An expert of the serve config: the base draft with the adapter merged in, the base untouched.
+    from osd_serve.service import expert_draft
+
+    plain = llama(len(char_tokenizer()), hidden=32, layers=1, seed=1)
+    merged = expert_draft(plain, str(tmp_path / "expert"))
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        assert torch.allclose(merged(ids).logits, lora(ids).logits, atol=1e-5)
+        assert not torch.allclose(merged(ids).logits, plain(ids).logits, atol=1e-3)
+    with pytest.raises(ValueError, match="safetensors"):
+        expert_draft(plain, str(tmp_path / "pickled"))
