@@ -4,10 +4,11 @@ where that is faster than ``F.linear`` (the torch reference, which every other c
 Why: a verification forward multiplies every weight matrix by batch x (k+1) rows, 2 to 72 here.
 PyTorch's float32 ``F.linear`` on CPU calls MKL sgemm, whose kernel for such skinny inputs is slow:
 on the 2-core CI host, a [16, 512] x [512, 1408] product takes 231 us with it and 99 us with oneDNN on
-a prepacked weight (1.1-2.3x at 16-48 rows, about even at 72); for a 25 MB weight MKL streams the matrix once per 3 rows (m = 1..3: 0.45 ms,
-4..6: 0.88 ms, 7..9: 1.3 ms) where oneDNN reads it once (0.50 ms up to m = 6). For 1 to ~12 rows of a
-small matrix MKL wins instead (oneDNN costs ~15 us more per call), so the choice is by row count
-(``benchmarks/cpu_linear.py`` prints the table this rule comes from). The two ops are the ones
+a prepacked weight (1.1-2.3x at 16-48 rows, about even at 72); for a 25 MB weight MKL streams the
+matrix once per 3 rows (m = 1..3: 0.45 ms, 4..6: 0.88 ms, 7..9: 1.3 ms) where oneDNN reads it once
+(0.50 ms up to m = 6). For 1 to ~12 rows of a small matrix MKL wins instead (oneDNN costs ~15 us
+more per call), so the choice is by row count (``benchmarks/cpu_linear.py`` prints the table this
+rule comes from). The two ops are the ones
 PyTorch's own Inductor emits for a frozen CPU linear (``mkldnn._reorder_linear_weight`` +
 ``mkldnn._linear_pointwise``); we call them directly because compiling a model whose KV cache grows
 every step recompiles on each new length.
@@ -78,9 +79,11 @@ def pack_linears(model: nn.Module) -> int:
         return 0
     n = 0
     for mod in model.modules():
-        w = getattr(mod, "weight", None)
+        if type(mod) is not nn.Linear:
+            continue
+        w = mod.weight
         # inference tensors keep no version counter, so a change to one could not be noticed
-        if type(mod) is nn.Linear and w.is_cpu and not w.is_inference() and w.dtype in (torch.float32, torch.bfloat16):
+        if w.is_cpu and not w.is_inference() and w.dtype in (torch.float32, torch.bfloat16):
             mod.__class__ = PackedLinear
             mod._pack()
             n += 1

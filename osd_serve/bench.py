@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm import tqdm
 
+from kernels.cpu_linear import PackedLinear
+
 from .config import EngineConfig, SamplingParams
 from .engine import SpecEngine
 from .kv import BatchKV, pad_left
@@ -337,7 +339,7 @@ def run_bench(
         "repeats": repeats,
         "target_params": sum(p.numel() for p in target.parameters()),
         # kernels/cpu_linear.py: every decoder here runs this same target object, packed or not
-        "target_packed_linears": sum(type(m).__name__ == "PackedLinear" for m in target.modules()),
+        "target_packed_linears": sum(isinstance(m, PackedLinear) for m in target.modules()),
         "draft_params": sum(p.numel() for p in draft.parameters()),
         "summary": summary,
         "results": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in results],

@@ -29,8 +29,9 @@ class GrowingLayer(DynamicLayer):
 
     Why: ``DynamicLayer.update`` concatenates, so every forward copies the layer's whole cache: O(P) per
     forward and quadratic over a generation. At batch 8 with 1,500 cached tokens a 1-token forward of the
-    default target took 62 ms with it and 30 ms with this layer on a 2-core CPU (benchmarks/kv_append.py). ``StaticLayer`` preallocates,
-    but to a fixed maximum length that attention then reads in full at every step.
+    default target took 62 ms with it and 30 ms with this layer on a 2-core CPU
+    (benchmarks/kv_append.py). ``StaticLayer`` preallocates, but to a fixed maximum length that
+    attention then reads in full at every step.
 
     ``keys``/``values`` stay plain views [B, H, n, D] of the buffers, so everything that reads, crops or
     replaces them (holes, compaction, row selection, merges) works unchanged. The layer writes in place
