@@ -8,7 +8,11 @@ a prepacked weight (1.1-2.3x at 16-48 rows, about even at 72); for a 25 MB weigh
 matrix once per 3 rows (m = 1..3: 0.45 ms, 4..6: 0.88 ms, 7..9: 1.3 ms) where oneDNN reads it once
 (0.50 ms up to m = 6). For 1 to ~12 rows of a small matrix MKL wins instead (oneDNN costs ~15 us
 more per call), so the choice is by row count (``benchmarks/cpu_linear.py`` prints the table this
-rule comes from). The two ops are the ones
+rule comes from). On an AVX-512 CPU, float32 calls of up to 12 rows take ``kernels/cpu_skinny.cpp``
+instead (a decode step, a batch-1 verification): it streams each weight once for all rows with the
+loads prefetched, which neither library does at these counts (a 5-token target forward costs 1.15x a
+1-token one with it, 1.40x without), and its per-row results do not depend on the row count, so a
+verification sees bit-for-bit the linear outputs a one-token step sees. The two oneDNN ops are the ones
 PyTorch's own Inductor emits for a frozen CPU linear (``mkldnn._reorder_linear_weight`` +
 ``mkldnn._linear_pointwise``); we call them directly because compiling a model whose KV cache grows
 every step recompiles on each new length.
@@ -22,9 +26,16 @@ uses: never merge adapters into a packed model. Costs one extra copy of the line
 
 from __future__ import annotations
 
+import functools
+import logging
+import os
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 # float32 (MKL behind F.linear): packed from 4 rows for a weight past 4 MiB, where MKL's re-streaming
 # of the weight every 3 rows dominates, and from 16 rows for any weight
@@ -35,8 +46,34 @@ MIN_ROWS = 16
 MIN_ROWS_BF16 = 1
 
 
+# float32 on an AVX-512 CPU: up to this many rows go to kernels/cpu_skinny.cpp (a decode step of up to
+# 12 sequences, a batch-1 verification up to k=11), whatever the weight's size
+SKINNY_MAX_ROWS = 12
+
+
 def packable() -> bool:
     return torch.backends.mkldnn.is_available()
+
+
+@functools.cache
+def skinny_kernel():
+    """``skinny_linear(x, w)`` from kernels/cpu_skinny.cpp, or None where it cannot run: no AVX-512,
+    ``OSD_SERVE_NO_CPU_KERNEL`` set, or no C++ compiler. Compiled by torch's extension loader on first
+    use (about 30 s once per machine; cached under ``TORCH_EXTENSIONS_DIR``, rebuilt when the source
+    changes). A failed build is logged and leaves ``F.linear`` and oneDNN in place."""
+    if os.environ.get("OSD_SERVE_NO_CPU_KERNEL") or torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return None
+    from torch.utils import cpp_extension
+
+    log.info("loading kernels/cpu_skinny.cpp (compiled on first use, ~30 s once per machine)")
+    try:
+        # -fopenmp: ATen's parallel_for is inline OpenMP; its symbols bind to torch's own libgomp
+        mod = cpp_extension.load(name="osd_serve_cpu_skinny", sources=[str(Path(__file__).with_name("cpu_skinny.cpp"))],
+                                 extra_cflags=["-O3", "-mavx512f", "-fopenmp"], verbose=False)
+    except Exception as err:  # no compiler or ninja: the library kernels still work
+        log.warning("CPU skinny-linear kernel unavailable, using F.linear/oneDNN: %s", err)
+        return None
+    return mod.skinny_linear
 
 
 class PackedLinear(nn.Linear):
@@ -48,15 +85,18 @@ class PackedLinear(nn.Linear):
         # the batch-size hint only picks oneDNN's weight layout; any row count works with it
         self._packed = torch.ops.mkldnn._reorder_linear_weight(w, MIN_ROWS)
         self._packed_of = (w._version, w.data_ptr(), w.dtype)
+        self._skinny = None
         if w.dtype == torch.bfloat16:
             self._min_rows = MIN_ROWS_BF16
         else:
             self._min_rows = MIN_ROWS_LARGE if w.numel() * w.element_size() >= LARGE_WEIGHT_BYTES else MIN_ROWS
+            if w.is_contiguous():
+                self._skinny = skinny_kernel()
 
     def __getstate__(self) -> dict:
-        # oneDNN's packed tensor has no storage to copy or pickle: deepcopy and pickle (Ray) carry the
-        # module without it, and its first packed call repacks
-        return self.__dict__ | {"_packed": None, "_packed_of": None}
+        # oneDNN's packed tensor has no storage to copy or pickle, nor has the compiled kernel's handle:
+        # deepcopy and pickle (Ray) carry the module without them, and its first inference call repacks
+        return self.__dict__ | {"_packed": None, "_packed_of": None, "_skinny": None}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // max(1, x.shape[-1])
@@ -64,11 +104,18 @@ class PackedLinear(nn.Linear):
         # F.linear instead: an inference-tensor weight (a copy made in inference mode) keeps no version
         # counter, so its packed copy could go stale unnoticed; under autocast F.linear casts and
         # mkldnn's op, not on autocast's list, would not
-        if (rows < self._min_rows or torch.is_grad_enabled() or not x.is_cpu or x.dtype != w.dtype or w.is_inference()
+        if (torch.is_grad_enabled() or not x.is_cpu or x.dtype != w.dtype or w.is_inference()
                 or torch.is_autocast_enabled("cpu")):
             return F.linear(x, w, self.bias)
         if self._packed_of != (w._version, w.data_ptr(), w.dtype):  # weights were loaded or moved since
             self._pack()
+        if self._skinny is not None and rows <= SKINNY_MAX_ROWS and w.is_contiguous():
+            y = self._skinny(x.reshape(rows, x.shape[-1]).contiguous(), w)  # [rows, out]
+            if self.bias is not None:
+                y += self.bias
+            return y.view(*x.shape[:-1], -1)
+        if rows < self._min_rows:
+            return F.linear(x, w, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
 
 

@@ -28,7 +28,7 @@ def _packed(out_f: int, in_f: int, dtype, bias: bool, seed: int = 0) -> nn.Linea
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("out_f,in_f,bias", [(7, 13, True), (64, 32, False), (1408, 512, False), (2100, 1100, True)])
-@pytest.mark.parametrize("lead", [(1,), (3,), (1, 16), (8, 6), (2, 3, 5), (72,)])
+@pytest.mark.parametrize("lead", [(1,), (3,), (2, 6), (13,), (1, 16), (8, 6), (2, 3, 5), (72,)])
 def test_matches_reference(dtype, out_f, in_f, bias, lead):
     lin = _packed(out_f, in_f, dtype, bias)
     x = torch.randn(*lead, in_f).to(dtype)
@@ -46,8 +46,10 @@ def test_matches_reference(dtype, out_f, in_f, bias, lead):
     (torch.bfloat16, 64, None, cpu_linear.MIN_ROWS_BF16),
 ])
 def test_dispatch_by_rows(dtype, out_f, small, large):
-    """Swap the packed copy for one of another weight: calls that take the packed path show it."""
+    """Swap the packed copy for one of another weight: calls that take the packed path show it
+    (without the AVX-512 kernel, which takes float32 calls of <= 12 rows first: tested below)."""
     lin = _packed(out_f, 1100, dtype, bias=False)
+    lin._skinny = None
     other = torch.randn_like(lin.weight)
     lin._packed = torch.ops.mkldnn._reorder_linear_weight(other, 16)
     with torch.inference_mode():
@@ -59,6 +61,44 @@ def test_dispatch_by_rows(dtype, out_f, small, large):
     with torch.no_grad():  # no_grad, not inference mode: what HF generate runs under
         x = torch.randn(large, 1100).to(dtype)
         torch.testing.assert_close(lin(x).float(), F.linear(x, other).float(), atol=0.5, rtol=0.05)
+
+
+needs_skinny = pytest.mark.skipif(cpu_linear.skinny_kernel() is None, reason="no AVX-512 or no C++ compiler")
+
+
+@needs_skinny
+@pytest.mark.parametrize("rows", [1, 2, 5, 7, 9, 12, 13, 25])
+@pytest.mark.parametrize("out_f,in_f", [(1, 1), (5, 16), (7, 17), (3, 1408), (1411, 513), (4096, 512)])
+def test_skinny_kernel_matches_reference_and_ignores_other_rows(rows, out_f, in_f):
+    """Odd shapes (K not a multiple of 16, N not of the 4/3/2-row blocks), more rows than one pass;
+    and each row's result is bit-identical to a call with that row alone, which F.linear does not
+    promise and a verification relies on to see what a one-token step sees."""
+    torch.manual_seed(rows * 1000 + out_f)
+    x, w = torch.randn(rows, in_f), torch.randn(out_f, in_f)
+    kernel = cpu_linear.skinny_kernel()
+    got = kernel(x, w)
+    torch.testing.assert_close(got, F.linear(x, w), atol=1e-5 * in_f ** 0.5, rtol=1e-5)
+    for i in {0, rows // 2, rows - 1}:
+        assert torch.equal(got[i], kernel(x[i:i + 1], w)[0])
+
+
+@needs_skinny
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_dispatch(bias):
+    """float32 inference calls of <= 12 rows take the kernel (with the bias added), more rows do not;
+    grad-enabled calls never do."""
+    lin = _packed(2100, 1100, torch.float32, bias=bias)
+    calls = []
+    lin._skinny = lambda x, w: calls.append(x.shape[0]) or cpu_linear.skinny_kernel()(x, w)
+    want = lambda x: F.linear(x, lin.weight, lin.bias)  # noqa: E731
+    with torch.inference_mode():
+        for lead in [(1,), (3, 4), (12,), (13,), (2, 8)]:
+            x = torch.randn(*lead, 1100)
+            torch.testing.assert_close(lin(x), want(x), atol=1e-4, rtol=1e-4)
+    assert calls == [1, 12, 12]
+    x = torch.randn(3, 1100, requires_grad=True)
+    lin(x).sum().backward()
+    assert calls == [1, 12, 12] and x.grad is not None
 
 
 def test_repacks_when_weights_change():
