@@ -1,6 +1,7 @@
-"""PyTorch's ``F.linear`` (MKL sgemm for float32) against oneDNN on a prepacked weight
-(kernels/cpu_linear.py), per weight matrix and row count, and then one whole target forward with
-and without ``pack_linears`` at the row counts a decode step (k=0) and a verification (k+1 tokens per
+"""PyTorch's ``F.linear`` (MKL sgemm for float32) against oneDNN on a prepacked weight and, for
+float32 on AVX-512, kernels/cpu_skinny.cpp (kernels/cpu_linear.py), per weight matrix and row count,
+and then one whole target forward plain, with ``pack_linears(skinny=False)`` (the libraries) and with
+``pack_linears`` (the libraries and the kernel) at the row counts a decode step (k=0) and a verification (k+1 tokens per
 row) have. Interleaved rounds, medians: the ratios are the point, not the absolute times.
 
     python benchmarks/cpu_linear.py --model "$(osd-serve bootstrap | tail -n 1 | python -c 'import json,sys; print(json.load(sys.stdin)["target"])')"
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from kernels.cpu_linear import pack_linears
+from kernels.cpu_linear import SKINNY_MAX_ROWS, pack_linears, skinny_kernel
 from osd_serve.kv import new_cache
 
 
@@ -39,33 +40,43 @@ def matrices(shapes, rows, dtypes, rounds: int) -> None:
         for out_f, in_f in shapes:
             w = torch.randn(out_f, in_f).to(dtype)
             packed = torch.ops.mkldnn._reorder_linear_weight(w, 12)
+            # one matrix in a loop stays in cache: the skinny kernel's gain, streaming a model's
+            # weights from memory, shows in the forward table, not here
+            kernel = skinny_kernel() if dtype == torch.float32 else None
             for m in rows:
                 x = torch.randn(m, in_f).to(dtype)
-                us = _median_us({"linear": lambda: F.linear(x, w),
-                                 "packed": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")},
-                                rounds)
+                fns = {"linear": lambda: F.linear(x, w),
+                       "packed": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")}
+                if kernel is not None and m <= SKINNY_MAX_ROWS:
+                    fns["kernel"] = lambda: kernel(x, w)
+                us = _median_us(fns, rounds)
                 print(json.dumps({"kind": "matrix", "dtype": str(dtype).removeprefix("torch."), "weight": [out_f, in_f],
                                   "rows": m, "linear_us": round(us["linear"], 1), "packed_us": round(us["packed"], 1),
-                                  "linear_over_packed": round(us["linear"] / us["packed"], 2)}), flush=True)
+                                  "linear_over_packed": round(us["linear"] / us["packed"], 2)}
+                                 | ({"kernel_us": round(us["kernel"], 1), "linear_over_kernel": round(us["linear"] / us["kernel"], 2)}
+                                    if "kernel" in us else {})), flush=True)
 
 
 def forwards(path: str, batches, tokens, dtypes, context: int, rounds: int) -> None:
     for dtype in dtypes:
         # loaded outside inference mode: pack_linears leaves inference tensors alone
         plain = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").eval()
-        packed = copy.deepcopy(plain)
-        n = pack_linears(packed)
-        _forwards(plain, packed, n, dtype, batches, tokens, context, rounds)
+        models = {"plain": plain, "packed": copy.deepcopy(plain)}
+        n = pack_linears(models["packed"], skinny=False)
+        if dtype == torch.float32 and skinny_kernel() is not None:
+            models["kernel"] = copy.deepcopy(plain)  # packed, and <= 12 rows on kernels/cpu_skinny.cpp
+            pack_linears(models["kernel"])
+        _forwards(models, n, dtype, batches, tokens, context, rounds)
 
 
 @torch.inference_mode()
-def _forwards(plain, packed, n: int, dtype, batches, tokens, context: int, rounds: int) -> None:
-    vocab = plain.config.vocab_size
+def _forwards(models: dict, n: int, dtype, batches, tokens, context: int, rounds: int) -> None:
+    vocab = models["plain"].config.vocab_size
     g = torch.Generator().manual_seed(0)
     for b in batches:
         prompt = torch.randint(3, vocab, (b, context), generator=g)
         caches = {}
-        for name, model in (("plain", plain), ("packed", packed)):
+        for name, model in models.items():
             caches[name] = new_cache(model.config)
             model(prompt, past_key_values=caches[name], use_cache=True)
         for t in tokens:
@@ -75,12 +86,13 @@ def _forwards(plain, packed, n: int, dtype, batches, tokens, context: int, round
                 model(ids, past_key_values=cache, use_cache=True)
                 cache.crop(-t)  # keep the cached context fixed
 
-            us = _median_us({name: (lambda m=m, c=caches[name]: step(m, c))
-                             for name, m in (("plain", plain), ("packed", packed))}, rounds)
+            us = _median_us({name: (lambda m=m, c=caches[name]: step(m, c)) for name, m in models.items()}, rounds)
             print(json.dumps({"kind": "forward", "dtype": str(dtype).removeprefix("torch."), "linears_packed": n,
                               "batch": b, "tokens_per_row": t, "context": context,
                               "plain_ms": round(us["plain"] / 1e3, 2), "packed_ms": round(us["packed"] / 1e3, 2),
-                              "plain_over_packed": round(us["plain"] / us["packed"], 2)}), flush=True)
+                              "plain_over_packed": round(us["plain"] / us["packed"], 2)}
+                             | ({"kernel_ms": round(us["kernel"] / 1e3, 2), "plain_over_kernel": round(us["plain"] / us["kernel"], 2)}
+                                if "kernel" in us else {})), flush=True)
 
 
 def main() -> None:

@@ -8,11 +8,11 @@ a prepacked weight (1.1-2.3x at 16-48 rows, about even at 72); for a 25 MB weigh
 matrix once per 3 rows (m = 1..3: 0.45 ms, 4..6: 0.88 ms, 7..9: 1.3 ms) where oneDNN reads it once
 (0.50 ms up to m = 6). For 1 to ~12 rows of a small matrix MKL wins instead (oneDNN costs ~15 us
 more per call), so the choice is by row count (``benchmarks/cpu_linear.py`` prints the table this
-rule comes from). On an AVX-512 CPU, float32 calls of up to 12 rows take ``kernels/cpu_skinny.cpp``
-instead (a decode step, a batch-1 verification): it streams each weight once for all rows with the
-loads prefetched, which neither library does at these counts (a 5-token target forward costs 1.15x a
-1-token one with it, 1.40x without), and its per-row results do not depend on the row count, so a
-verification sees bit-for-bit the linear outputs a one-token step sees. The two oneDNN ops are the ones
+rule comes from). On an AVX-512 CPU, float32 calls of up to 48 rows take ``kernels/cpu_skinny.cpp``
+instead (decode steps, verifications up to 48 tokens in all): it reads each weight from memory once
+for all rows with the loads prefetched, which neither library does at these counts (a 5-token target
+forward costs 1.13x a 1-token one with it, 1.37x without), and its per-row results do not depend on
+the row count, so a verification sees bit-for-bit the linear outputs a one-token step sees. The two oneDNN ops are the ones
 PyTorch's own Inductor emits for a frozen CPU linear (``mkldnn._reorder_linear_weight`` +
 ``mkldnn._linear_pointwise``); we call them directly because compiling a model whose KV cache grows
 every step recompiles on each new length.
@@ -46,9 +46,10 @@ MIN_ROWS = 16
 MIN_ROWS_BF16 = 1
 
 
-# float32 on an AVX-512 CPU: up to this many rows go to kernels/cpu_skinny.cpp (a decode step of up to
-# 12 sequences, a batch-1 verification up to k=11), whatever the weight's size
-SKINNY_MAX_ROWS = 12
+# float32 on an AVX-512 CPU: up to this many rows go to kernels/cpu_skinny.cpp (decode steps, batch-1
+# verifications, batch-8 ones up to k=5), whatever the weight's size. On the CI host it beat oneDNN's
+# packed path by 1.4x at 16 rows, 1.1x at 40, was even at 56 and 3% slower at 72
+SKINNY_MAX_ROWS = 48
 
 
 def packable() -> bool:
@@ -90,7 +91,7 @@ class PackedLinear(nn.Linear):
             self._min_rows = MIN_ROWS_BF16
         else:
             self._min_rows = MIN_ROWS_LARGE if w.numel() * w.element_size() >= LARGE_WEIGHT_BYTES else MIN_ROWS
-            if w.is_contiguous():
+            if w.is_contiguous() and getattr(self, "_use_skinny", True):
                 self._skinny = skinny_kernel()
 
     def __getstate__(self) -> dict:
@@ -113,14 +114,15 @@ class PackedLinear(nn.Linear):
             y = self._skinny(x.reshape(rows, x.shape[-1]).contiguous(), w)  # [rows, out]
             if self.bias is not None:
                 y += self.bias
-            return y.view(*x.shape[:-1], -1)
+            return y.view(*x.shape[:-1], self.out_features)
         if rows < self._min_rows:
             return F.linear(x, w, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Turn every plain ``nn.Linear`` of a CPU float32/bfloat16 model into a ``PackedLinear`` in place.
+def pack_linears(model: nn.Module, skinny: bool = True) -> int:
+    """Turn every plain ``nn.Linear`` of a CPU float32/bfloat16 model into a ``PackedLinear`` in place;
+    ``skinny=False`` keeps them off kernels/cpu_skinny.cpp (the benchmarks compare the two).
     Returns how many were converted (0 where oneDNN is unavailable or the model is elsewhere)."""
     if not packable():
         return 0
@@ -132,6 +134,7 @@ def pack_linears(model: nn.Module) -> int:
         # inference tensors keep no version counter, so a change to one could not be noticed
         if w.is_cpu and not w.is_inference() and w.dtype in (torch.float32, torch.bfloat16):
             mod.__class__ = PackedLinear
+            mod._use_skinny = skinny
             mod._pack()
             n += 1
     return n

@@ -21,7 +21,7 @@ class ModelConfig:
     # name -> directory of a peft LoRA adapter (adapter_config.json + adapter_model.safetensors)
     draft_adapters: dict[str, str] = field(default_factory=dict)
     attn_implementation: str = "auto"  # auto | flash_attention_2 | sdpa | eager
-    cpu_packed_linear: bool = True  # on CPU, the target's linears on oneDNN prepacked weights (kernels/cpu_linear.py)
+    cpu_packed_linear: bool = True  # on CPU, the target's linears on oneDNN prepacked weights and the skinny kernel (kernels/cpu_linear.py)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -129,7 +129,8 @@ def attach_adapter(draft, name: str, path: str):
 def pack_target(target, cfg: ModelConfig) -> int:
     """The target never trains, so on CPU its linear layers can keep a prepacked copy of their weights
     for oneDNN, which multiplies the 16-48-row inputs of a verification 1.1-2.3x faster than MKL's sgemm
-    (kernels/cpu_linear.py). The draft does not: it is distilled, and every update would repack it."""
+    (kernels/cpu_linear.py); float32 calls of <= 12 rows take kernels/cpu_skinny.cpp on AVX-512. The draft
+    does not: it is distilled, and every update would repack it."""
     if not cfg.cpu_packed_linear or cfg.resolved_device().type != "cpu":
         return 0
     from kernels.cpu_linear import pack_linears

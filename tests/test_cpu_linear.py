@@ -67,7 +67,7 @@ needs_skinny = pytest.mark.skipif(cpu_linear.skinny_kernel() is None, reason="no
 
 
 @needs_skinny
-@pytest.mark.parametrize("rows", [1, 2, 5, 7, 9, 12, 13, 25])
+@pytest.mark.parametrize("rows", [1, 2, 5, 7, 9, 12, 13, 25, 49])
 @pytest.mark.parametrize("out_f,in_f", [(1, 1), (5, 16), (7, 17), (3, 1408), (1411, 513), (4096, 512)])
 def test_skinny_kernel_matches_reference_and_ignores_other_rows(rows, out_f, in_f):
     """Odd shapes (K not a multiple of 16, N not of the 4/3/2-row blocks), more rows than one pass;
@@ -85,20 +85,26 @@ def test_skinny_kernel_matches_reference_and_ignores_other_rows(rows, out_f, in_
 @needs_skinny
 @pytest.mark.parametrize("bias", [False, True])
 def test_skinny_dispatch(bias):
-    """float32 inference calls of <= 12 rows take the kernel (with the bias added), more rows do not;
+    """float32 inference calls of <= 48 rows take the kernel (with the bias added), more rows do not;
     grad-enabled calls never do."""
     lin = _packed(2100, 1100, torch.float32, bias=bias)
     calls = []
     lin._skinny = lambda x, w: calls.append(x.shape[0]) or cpu_linear.skinny_kernel()(x, w)
     want = lambda x: F.linear(x, lin.weight, lin.bias)  # noqa: E731
     with torch.inference_mode():
-        for lead in [(1,), (3, 4), (12,), (13,), (2, 8)]:
+        for lead in [(1,), (3, 4), (6, 8), (49,), (8, 7)]:
             x = torch.randn(*lead, 1100)
             torch.testing.assert_close(lin(x), want(x), atol=1e-4, rtol=1e-4)
-    assert calls == [1, 12, 12]
+    assert calls == [1, 12, 48]
     x = torch.randn(3, 1100, requires_grad=True)
     lin(x).sum().backward()
-    assert calls == [1, 12, 12] and x.grad is not None
+    assert calls == [1, 12, 48] and x.grad is not None
+    with torch.inference_mode():
+        assert lin(torch.randn(2, 0, 1100)).shape == (2, 0, 2100)  # an empty batch keeps its shape
+    torch.manual_seed(0)
+    off = nn.Linear(1100, 2100)
+    pack_linears(off, skinny=False)
+    assert off._skinny is None and copy.deepcopy(off)._use_skinny is False
 
 
 def test_repacks_when_weights_change():
