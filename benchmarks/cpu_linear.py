@@ -64,7 +64,7 @@ def forwards(path: str, batches, tokens, dtypes, context: int, rounds: int) -> N
         models = {"plain": plain, "packed": copy.deepcopy(plain)}
         n = pack_linears(models["packed"], skinny=False)
         if dtype == torch.float32 and skinny_kernel() is not None:
-            models["kernel"] = copy.deepcopy(plain)  # packed, and <= 12 rows on kernels/cpu_skinny.cpp
+            models["kernel"] = copy.deepcopy(plain)  # packed, and <= 48 rows on kernels/cpu_skinny.cpp
             pack_linears(models["kernel"])
         _forwards(models, n, dtype, batches, tokens, context, rounds)
 

@@ -59,7 +59,7 @@ class AppConfig(_Strict):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = "auto"
     # CPU only: the target's linear layers use oneDNN on prepacked weights where that is faster, and
-    # kernels/cpu_skinny.cpp for float32 calls of <= 12 rows on AVX-512 (kernels/cpu_linear.py; one
+    # kernels/cpu_skinny.cpp for float32 calls of <= 48 rows on AVX-512 (kernels/cpu_linear.py; one
     # extra copy of the target's linear weights in memory)
     cpu_packed_linear: bool = True
     # colocated: draft and target in one replica (lowest latency per request). disaggregated: a draft

@@ -29,6 +29,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
+import time
 from pathlib import Path
 
 import torch
@@ -50,27 +52,43 @@ MIN_ROWS_BF16 = 1
 # verifications, batch-8 ones up to k=5), whatever the weight's size. On the CI host it beat oneDNN's
 # packed path by 1.4x at 16 rows, 1.1x at 40, was even at 56 and 3% slower at 72
 SKINNY_MAX_ROWS = 48
+STALE_BUILD_LOCK_S = 600
 
 
 def packable() -> bool:
     return torch.backends.mkldnn.is_available()
 
 
+def kernel_build_dir() -> Path:
+    """One build per torch and Python (the module links both), shared by every process of the machine."""
+    root = Path(os.environ.get("OSD_SERVE_KERNEL_CACHE", Path.home() / ".cache" / "osd-serve" / "kernels"))
+    return root / f"cpu_skinny-torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"
+
+
 @functools.cache
 def skinny_kernel():
     """``skinny_linear(x, w)`` from kernels/cpu_skinny.cpp, or None where it cannot run: no AVX-512,
     ``OSD_SERVE_NO_CPU_KERNEL`` set, or no C++ compiler. Compiled by torch's extension loader on first
-    use (about 30 s once per machine; cached under ``TORCH_EXTENSIONS_DIR``, rebuilt when the source
-    changes). A failed build is logged and leaves ``F.linear`` and oneDNN in place."""
+    use (about 30 s once per machine; cached under ``OSD_SERVE_KERNEL_CACHE``, default
+    ``~/.cache/osd-serve/kernels``, rebuilt when the source changes). A failed build is logged and
+    leaves ``F.linear`` and oneDNN in place."""
     if os.environ.get("OSD_SERVE_NO_CPU_KERNEL") or torch.backends.cpu.get_cpu_capability() != "AVX512":
         return None
     from torch.utils import cpp_extension
 
+    build = kernel_build_dir()
+    build.mkdir(parents=True, exist_ok=True)
+    lock = build / "lock"
+    # torch's loader waits for another process's build lock without a timeout: a lock left by a
+    # process killed mid-build (a build takes ~30 s) would hang every later start
+    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_BUILD_LOCK_S:
+        log.warning("removing a stale kernel build lock %s", lock)
+        lock.unlink(missing_ok=True)
     log.info("loading kernels/cpu_skinny.cpp (compiled on first use, ~30 s once per machine)")
     try:
         # -fopenmp: ATen's parallel_for is inline OpenMP; its symbols bind to torch's own libgomp
         mod = cpp_extension.load(name="osd_serve_cpu_skinny", sources=[str(Path(__file__).with_name("cpu_skinny.cpp"))],
-                                 extra_cflags=["-O3", "-mavx512f", "-fopenmp"], verbose=False)
+                                 extra_cflags=["-O3", "-mavx512f", "-fopenmp"], build_directory=str(build), verbose=False)
     except Exception as err:  # no compiler or ninja: the library kernels still work
         log.warning("CPU skinny-linear kernel unavailable, using F.linear/oneDNN: %s", err)
         return None
@@ -78,8 +96,9 @@ def skinny_kernel():
 
 
 class PackedLinear(nn.Linear):
-    """An ``nn.Linear`` (same parameters, same state dict) that routes inference calls with enough
-    rows to oneDNN on a prepacked copy of its weight."""
+    """An ``nn.Linear`` (same parameters, same state dict) that routes float32 inference calls of up to
+    ``SKINNY_MAX_ROWS`` rows to kernels/cpu_skinny.cpp where it runs, and other calls with enough rows
+    to oneDNN on a prepacked copy of its weight."""
 
     def _pack(self) -> None:
         w = self.weight.detach()

@@ -33,7 +33,7 @@ def _pair_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--no-packed-linear", dest="packed_linear", action="store_false",
-                   help="on CPU, keep the target's linear layers on F.linear (default: oneDNN prepacked weights, and kernels/cpu_skinny.cpp for float32 calls of <= 12 rows, where faster)")
+                   help="on CPU, keep the target's linear layers on F.linear (default: oneDNN prepacked weights, and kernels/cpu_skinny.cpp for float32 calls of <= 48 rows, where faster)")
 
 
 def _load(args):

@@ -129,7 +129,7 @@ def attach_adapter(draft, name: str, path: str):
 def pack_target(target, cfg: ModelConfig) -> int:
     """The target never trains, so on CPU its linear layers can keep a prepacked copy of their weights
     for oneDNN, which multiplies the 16-48-row inputs of a verification 1.1-2.3x faster than MKL's sgemm
-    (kernels/cpu_linear.py); float32 calls of <= 12 rows take kernels/cpu_skinny.cpp on AVX-512. The draft
+    (kernels/cpu_linear.py); float32 calls of <= 48 rows take kernels/cpu_skinny.cpp on AVX-512. The draft
     does not: it is distilled, and every update would repack it."""
     if not cfg.cpu_packed_linear or cfg.resolved_device().type != "cpu":
         return 0

@@ -107,6 +107,26 @@ def test_skinny_dispatch(bias):
     assert off._skinny is None and copy.deepcopy(off)._use_skinny is False
 
 
+@needs_skinny
+def test_stale_build_lock_does_not_hang():
+    """torch's loader waits without a timeout for a build lock; one left by a process killed mid-build
+    is removed once it is older than any build (and the cached build then loads)."""
+    import os
+    import threading
+    import time
+
+    lock = cpu_linear.kernel_build_dir() / "lock"
+    lock.touch()
+    old = time.time() - cpu_linear.STALE_BUILD_LOCK_S - 60
+    os.utime(lock, (old, old))
+    cpu_linear.skinny_kernel.cache_clear()
+    got = []
+    t = threading.Thread(target=lambda: got.append(cpu_linear.skinny_kernel()), daemon=True)
+    t.start()
+    t.join(timeout=120)
+    assert got and got[0] is not None and not lock.exists()
+
+
 def test_repacks_when_weights_change():
     lin = _packed(64, 32, torch.float32, bias=True)
     x = torch.randn(20, 32)
