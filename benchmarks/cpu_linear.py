@@ -98,7 +98,7 @@ def _forwards(models: dict, n: int, dtype, batches, tokens, context: int, rounds
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="a target directory; without it only the matrix table runs")
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 72])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 56, 72])
     ap.add_argument("--shapes", nargs="+", default=["512x512", "1408x512", "512x1408", "4096x512", "4096x1536"],
                     help="weight shapes out x in")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])

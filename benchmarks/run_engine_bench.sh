@@ -5,8 +5,9 @@
 # (AVX512-BF16 or AMX). Which is faster depends on the CPU: on one host MKL's fp32 GEMM with 2-9 rows
 # cost up to 2x its 1-row GEMV while oneDNN's bf16 GEMM was flat in the row count (what speculation's
 # one-forward verification assumes), on another (AVX512-BF16, no AMX) bf16 was the slower of the two
-# (0.74-0.86x fp32), and about even (0.85-1.00x) once the target's linears were prepacked (kernels/
-# cpu_linear.py); each report records its CPU (benchmarks/ENGINE.md). DTYPES="float32" (or "bfloat16") runs one only.
+# (0.74-0.86x fp32), about even (0.85-1.00x) once the target's linears were prepacked (kernels/
+# cpu_linear.py), and 0.79-0.82x once fp32's few-row calls went to kernels/cpu_skinny.cpp; each
+# report records its CPU (benchmarks/ENGINE.md). DTYPES="float32" (or "bfloat16") runs one only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 D=${OSD_DATASETS:-../shared/datasets}
