@@ -12,7 +12,8 @@ rule comes from). On an AVX-512 CPU, float32 calls of up to 48 rows take ``kerne
 instead (decode steps, verifications up to 48 tokens in all): it reads each weight from memory once
 for all rows with the loads prefetched, which neither library does at these counts (a 5-token target
 forward costs 1.13x a 1-token one with it, 1.37x without), and its per-row results do not depend on
-the row count, so a verification sees bit-for-bit the linear outputs a one-token step sees. The two oneDNN ops are the ones
+the row count, so a verification of up to 48 rows sees bit-for-bit the linear outputs a one-token
+step sees. The two oneDNN ops are the ones
 PyTorch's own Inductor emits for a frozen CPU linear (``mkldnn._reorder_linear_weight`` +
 ``mkldnn._linear_pointwise``); we call them directly because compiling a model whose KV cache grows
 every step recompiles on each new length.
@@ -52,7 +53,7 @@ MIN_ROWS_BF16 = 1
 # verifications, batch-8 ones up to k=5), whatever the weight's size. On the CI host it beat oneDNN's
 # packed path by 1.4x at 16 rows, 1.1x at 40, was even at 56 and 3% slower at 72
 SKINNY_MAX_ROWS = 48
-STALE_BUILD_LOCK_S = 600
+BUILD_WAIT_S = 600  # a build takes ~30 s
 
 
 def packable() -> bool:
@@ -61,38 +62,61 @@ def packable() -> bool:
 
 def kernel_build_dir() -> Path:
     """One build per torch and Python (the module links both), shared by every process of the machine."""
-    root = Path(os.environ.get("OSD_SERVE_KERNEL_CACHE", Path.home() / ".cache" / "osd-serve" / "kernels"))
+    root = Path(os.environ.get("OSD_SERVE_KERNEL_CACHE") or Path.home() / ".cache" / "osd-serve" / "kernels")
     return root / f"cpu_skinny-torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"
 
 
 @functools.cache
 def skinny_kernel():
     """``skinny_linear(x, w)`` from kernels/cpu_skinny.cpp, or None where it cannot run: no AVX-512,
-    ``OSD_SERVE_NO_CPU_KERNEL`` set, or no C++ compiler. Compiled by torch's extension loader on first
-    use (about 30 s once per machine; cached under ``OSD_SERVE_KERNEL_CACHE``, default
-    ``~/.cache/osd-serve/kernels``, rebuilt when the source changes). A failed build is logged and
+    ``OSD_SERVE_NO_CPU_KERNEL`` set, no C++ compiler, an unusable cache directory. Compiled by torch's
+    extension loader on first use (about 30 s once per machine; cached under ``OSD_SERVE_KERNEL_CACHE``,
+    default ``~/.cache/osd-serve/kernels``, rebuilt when the source changes). Any failure is logged and
     leaves ``F.linear`` and oneDNN in place."""
     if os.environ.get("OSD_SERVE_NO_CPU_KERNEL") or torch.backends.cpu.get_cpu_capability() != "AVX512":
         return None
-    from torch.utils import cpp_extension
-
-    build = kernel_build_dir()
-    build.mkdir(parents=True, exist_ok=True)
-    lock = build / "lock"
-    # torch's loader waits for another process's build lock without a timeout: a lock left by a
-    # process killed mid-build (a build takes ~30 s) would hang every later start
-    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_BUILD_LOCK_S:
-        log.warning("removing a stale kernel build lock %s", lock)
-        lock.unlink(missing_ok=True)
     log.info("loading kernels/cpu_skinny.cpp (compiled on first use, ~30 s once per machine)")
     try:
+        return _load_skinny(kernel_build_dir())
+    except Exception as err:  # no compiler or ninja, unwritable cache, a build that never ends
+        log.warning("CPU skinny-linear kernel unavailable, using F.linear/oneDNN: %s", err)
+        return None
+
+
+def _load_skinny(build: Path):
+    import fcntl
+
+    from torch.utils import cpp_extension
+
+    build.mkdir(parents=True, exist_ok=True)
+    # torch's loader guards a build with a lock *file* and waits for it without a timeout, so one left
+    # by a process killed mid-build would hang every later start. Our own flock is released by the OS
+    # when its holder dies: whoever holds it is the only one of us in torch's loader for this
+    # directory, so a torch lock file found then is stale and goes.
+    with open(build / "osd.lock", "w") as held:
+        deadline = time.monotonic() + BUILD_WAIT_S
+        while True:
+            try:
+                fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"another process has held {build / 'osd.lock'} for over {BUILD_WAIT_S} s") from None
+                time.sleep(0.2)
+        (build / "lock").unlink(missing_ok=True)
         # -fopenmp: ATen's parallel_for is inline OpenMP; its symbols bind to torch's own libgomp
         mod = cpp_extension.load(name="osd_serve_cpu_skinny", sources=[str(Path(__file__).with_name("cpu_skinny.cpp"))],
                                  extra_cflags=["-O3", "-mavx512f", "-fopenmp"], build_directory=str(build), verbose=False)
-    except Exception as err:  # no compiler or ninja: the library kernels still work
-        log.warning("CPU skinny-linear kernel unavailable, using F.linear/oneDNN: %s", err)
-        return None
     return mod.skinny_linear
+
+
+def _min_rows(w: torch.Tensor) -> int:
+    """Fewest rows for which oneDNN's packed path beats F.linear for this weight."""
+    if w.dtype == torch.bfloat16:
+        return MIN_ROWS_BF16
+    if w.dtype != torch.float32:  # converted after packing (.half(), .double()): F.linear only
+        return sys.maxsize
+    return MIN_ROWS_LARGE if w.numel() * w.element_size() >= LARGE_WEIGHT_BYTES else MIN_ROWS
 
 
 class PackedLinear(nn.Linear):
@@ -105,13 +129,8 @@ class PackedLinear(nn.Linear):
         # the batch-size hint only picks oneDNN's weight layout; any row count works with it
         self._packed = torch.ops.mkldnn._reorder_linear_weight(w, MIN_ROWS)
         self._packed_of = (w._version, w.data_ptr(), w.dtype)
-        self._skinny = None
-        if w.dtype == torch.bfloat16:
-            self._min_rows = MIN_ROWS_BF16
-        else:
-            self._min_rows = MIN_ROWS_LARGE if w.numel() * w.element_size() >= LARGE_WEIGHT_BYTES else MIN_ROWS
-            if w.is_contiguous() and getattr(self, "_use_skinny", True):
-                self._skinny = skinny_kernel()
+        use = w.dtype == torch.float32 and w.is_contiguous() and getattr(self, "_use_skinny", True)
+        self._skinny = skinny_kernel() if use else None
 
     def __getstate__(self) -> dict:
         # oneDNN's packed tensor has no storage to copy or pickle, nor has the compiled kernel's handle:
@@ -127,14 +146,17 @@ class PackedLinear(nn.Linear):
         if (torch.is_grad_enabled() or not x.is_cpu or x.dtype != w.dtype or w.is_inference()
                 or torch.is_autocast_enabled("cpu")):
             return F.linear(x, w, self.bias)
+        skinny = rows <= SKINNY_MAX_ROWS and w.dtype == torch.float32 and w.is_contiguous()
+        if not skinny and rows < _min_rows(w):  # no faster path: nothing to (re)pack for
+            return F.linear(x, w, self.bias)
         if self._packed_of != (w._version, w.data_ptr(), w.dtype):  # weights were loaded or moved since
             self._pack()
-        if self._skinny is not None and rows <= SKINNY_MAX_ROWS and w.is_contiguous():
+        if skinny and self._skinny is not None:
             y = self._skinny(x.reshape(rows, x.shape[-1]).contiguous(), w)  # [rows, out]
             if self.bias is not None:
                 y += self.bias
             return y.view(*x.shape[:-1], self.out_features)
-        if rows < self._min_rows:
+        if rows < _min_rows(w):
             return F.linear(x, w, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
 
