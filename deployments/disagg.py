@@ -41,13 +41,12 @@ CONSISTENT_HASH = "ray.serve.experimental.consistent_hash_router.ConsistentHashR
 
 def _load(cfg: AppConfig, role: str):
     """(model of that role, vocab, max_model_len), the pair built first if it is the default."""
-    from osd_serve.loading import ModelConfig, load_model, pair_limits, pack_target
-    from osd_serve.service import model_paths
+    from osd_serve.loading import load_model, pack_target, pair_limits
+    from osd_serve.service import model_config
 
-    target, draft = model_paths(cfg)
-    mc = ModelConfig(target=target, draft=draft, dtype=cfg.dtype, device=cfg.device, cpu_packed_linear=cfg.cpu_packed_linear)
-    vocab, max_len = pair_limits(target, draft, cfg.max_model_len)
-    model = load_model(target if role == "target" else draft, role, mc.resolved_device(), mc.resolved_dtype())
+    mc = model_config(cfg)
+    vocab, max_len = pair_limits(mc.target, mc.draft, cfg.max_model_len)
+    model = load_model(mc.target if role == "target" else mc.draft, role, mc.resolved_device(), mc.resolved_dtype())
     if role == "target":
         pack_target(model, mc)
     return model, vocab, max_len

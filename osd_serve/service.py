@@ -33,13 +33,19 @@ def model_paths(cfg) -> tuple[str, str]:
     return pair["target"], pair["draft"]
 
 
-def load_models(cfg):
-    """(target, base draft, tokenizer)."""
-    from .loading import ModelConfig, load_pair
+def model_config(cfg):
+    """The ``ModelConfig`` of an app config (colocated and disaggregated replicas load from it)."""
+    from .loading import ModelConfig
 
     target, draft = model_paths(cfg)
-    return load_pair(ModelConfig(target=target, draft=draft, dtype=cfg.dtype, device=cfg.device,
-                                 cpu_packed_linear=cfg.cpu_packed_linear))
+    return ModelConfig(target=target, draft=draft, dtype=cfg.dtype, device=cfg.device, cpu_packed_linear=cfg.cpu_packed_linear)
+
+
+def load_models(cfg):
+    """(target, base draft, tokenizer)."""
+    from .loading import load_pair
+
+    return load_pair(model_config(cfg))
 
 
 def expert_draft(base, adapter: str | None):
