@@ -14,6 +14,11 @@
 // Every output element is summed in the same order whatever M is (16 lanes along K, then one fixed
 // horizontal reduction), so a row's result does not depend on which other rows share the call: a
 // verification over k+1 tokens gets bit-for-bit the products a one-token decode step gets.
+//
+// Tried and not kept: the weight packed K-major in panels of 48 columns with x broadcast (BLIS-style,
+// no horizontal sums). On the CI host it was 4-8% slower at 1-4 rows and 6-15% faster at 8-48
+// (model-shaped weights, interleaved medians), so a batch-8 verification's gain over a batch-8 decode
+// step was ~2%, for another copy of the weights and a summation order of its own.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
