@@ -124,15 +124,20 @@ class SpecEngine:
             self._rows.extend(rows)
         self.running.extend(new)
 
-    def _uniforms(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-row uniforms from each request's own generator: u_draft [B, k], u_verify [B, k+1].
-        Greedy rows get constants: with one-hot p and q the accept rule never looks at them."""
-        u = torch.full((len(self.running), 2 * k + 1), 0.5)
-        for i, r in enumerate(self.running):
+    def _uniforms(self, k_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-row uniforms from each request's own generator: u_draft [B, k], u_verify [B, k+1],
+        k = max(k_rows). A row draws only the 2·k_i + 1 it uses (its k_i proposals, k_i accept tests
+        and the final sample, which the accept rule takes from column k), so a seeded request's
+        output does not depend on which requests share its batch. Greedy rows and unused columns
+        get constants: with one-hot p and q the accept rule never looks at them."""
+        k = max(k_rows)
+        u_draft = torch.full((len(self.running), k), 0.5)
+        u_verify = torch.full((len(self.running), k + 1), 0.5)
+        for i, (r, ki) in enumerate(zip(self.running, k_rows)):
             if r.generator is not None:
-                u[i] = torch.rand(2 * k + 1, generator=r.generator)
-        u = u.to(self.device)
-        return u[:, :k], u[:, k:]
+                d = torch.rand(2 * ki + 1, generator=r.generator)  # [2·k_i + 1]
+                u_draft[i, :ki], u_verify[i, :ki], u_verify[i, k] = d[:ki], d[ki:2 * ki], d[2 * ki]
+        return u_draft.to(self.device), u_verify.to(self.device)
 
     def step(self) -> tuple[list[StreamDelta], StepStats | None]:
         """Admit waiting requests, run one speculative step, return the new output of every row."""
@@ -149,7 +154,7 @@ class SpecEngine:
         k_rows = [r.step_k() for r in self.running]
         rows.k = torch.tensor(k_rows, device=self.device)  # [B]
         k = max(k_rows)
-        u_draft, u_verify = self._uniforms(k)
+        u_draft, u_verify = self._uniforms(k_rows)
         out = speculative_step(self._target_kv, self._draft_kv, rows, self.vocab, u_draft, u_verify)
         tokens, n_acc = out.tokens.tolist(), out.num_accepted.tolist()
         if self.recorder is not None:

@@ -42,13 +42,17 @@ def reference(pair):
     return prompts, [_hf_greedy(target, p, MAX_TOKENS) for p in prompts]
 
 
+# Batch sizes per k: 1 and 8 at every k, and two of 2..7 each, so every size 1..8 runs per architecture.
+BATCH_SIZES = {1: (1, 2, 5, 8), 3: (1, 3, 6, 8), 5: (1, 4, 7, 8), 8: (1, 2, 6, 8)}
+
+
 @pytest.mark.parametrize("k", [1, 3, 5, 8])
 def test_greedy_equals_target(pair, tok, reference, k):
     """50 prompts of lengths 1..24, batch sizes 1..8: output == the target's own greedy decoding."""
     arch, target, draft = pair
     prompts, refs = reference
     mismatches, ties, proposed, accepted = 0, 0, 0, 0
-    for bs in (1, 2, 5, 8):
+    for bs in BATCH_SIZES[k]:
         eng = SpecEngine(target, draft, tok, EngineConfig(max_batch_size=bs))
         stats = []
         outs = eng.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, num_speculative_tokens=k, ignore_eos=True), stats=stats)
@@ -70,18 +74,22 @@ def test_mixed_k_in_one_batch_and_joins_between_steps(pair, tok, reference):
     reqs = eng.submit(prompts[:6], [SamplingParams(max_tokens=MAX_TOKENS, num_speculative_tokens=i % 9, ignore_eos=True) for i in range(6)])
     steps = 0
     while eng.has_unfinished():
-        eng.step()
+        _, st = eng.step()
         steps += 1
+        # Continuous batching: waiting requests fill every free row (the batch ran full whenever some
+        # were left waiting), and a finished row leaves at the end of its step.
+        assert st.batch_size == 4 or not eng.waiting
+        assert not any(r.finished for r in eng.running)
         if steps == 3:  # join mid-run
             reqs += eng.submit(prompts[6:12], [SamplingParams(max_tokens=MAX_TOKENS, num_speculative_tokens=(i * 5) % 9, ignore_eos=True) for i in range(6)])
     for r, ref in zip(reqs, refs[:12]):
         assert r.output_ids == ref
 
 
-def test_draft_equal_to_target_accepts_everything(pair, tok, reference):
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_draft_equal_to_target_accepts_everything(pair, tok, reference, k):
     arch, target, _ = pair
     prompts, _ = reference
-    k = 3
     eng = SpecEngine(target, target, tok, EngineConfig(max_batch_size=8))
     stats = []
     outs = eng.generate(prompts[:16], SamplingParams(max_tokens=4 * (k + 1), num_speculative_tokens=k, ignore_eos=True), stats=stats)
@@ -89,6 +97,75 @@ def test_draft_equal_to_target_accepts_everything(pair, tok, reference):
     for o in outs:
         assert o.steps == 4  # every target forward yielded k+1 tokens
         assert o.tokens_per_step == k + 1
+
+
+def test_rows_keep_their_own_acceptance(pair, tok, reference):
+    """A batch is never cut to its shortest acceptance: beside a k=0 row (which accepts nothing) and a
+    k=1 row, rows drafting with the target itself emit k+1 tokens from every target forward."""
+    arch, target, _ = pair
+    prompts, refs = reference
+    eng = SpecEngine(target, target, tok, EngineConfig(max_batch_size=4))
+    params = [SamplingParams(max_tokens=MAX_TOKENS, num_speculative_tokens=k, ignore_eos=True) for k in (0, 4, 1, 4)]
+    outs = eng.generate(prompts[:4], params)
+    # 16 tokens: k=0 one per step; k=1 two per step; k=4 three steps of 5, then 1 (max_tokens caps k)
+    assert [o.steps for o in outs] == [16, 4, 8, 4]
+    assert [o.token_ids for o in outs] == refs[:4]
+
+
+def test_seeded_request_does_not_depend_on_its_batch(pair, tok, reference):
+    """Each sampled request draws from its own seeded generator, only the uniforms it uses: the same
+    seed gives the same tokens alone or beside other sampled requests (other seeds, other k, a
+    greedy row), and another seed gives other tokens."""
+    arch, target, draft = pair
+    prompts, _ = reference
+
+    def sampled(seed: int, k: int, **kw) -> SamplingParams:
+        return SamplingParams(max_tokens=MAX_TOKENS, num_speculative_tokens=k, temperature=1.0, seed=seed, ignore_eos=True, **kw)
+
+    alone = SpecEngine(target, draft, tok).generate([prompts[0]], sampled(7, 3))[0].token_ids
+    eng = SpecEngine(target, draft, tok, EngineConfig(max_batch_size=4))
+    batch = eng.generate([prompts[1], prompts[0], prompts[2], prompts[3]],
+                         [sampled(1, 8), sampled(7, 3), sampled(2, 0, top_k=5), SamplingParams(max_tokens=MAX_TOKENS, num_speculative_tokens=5)])
+    assert batch[1].token_ids == alone
+    assert SpecEngine(target, draft, tok).generate([prompts[0]], sampled(8, 3))[0].token_ids != alone
+
+
+def test_sampled_rows_process_p_and_q_alike(pair, tok, reference, monkeypatch):
+    """temperature, top-k and top-p reach the draft's q exactly as the target's p (spec.row_probs with
+    each row's own params), and every proposal is the inverse-CDF sample of the q verification gets."""
+    from osd_serve import spec
+    from osd_serve.sampling import sample_from_probs
+
+    arch, target, draft = pair
+    prompts, _ = reference
+    real_propose, real_accept = spec.propose, spec.accept
+    seen = {"q": 0, "p": 0, "filtered": 0}
+
+    def propose(kv, rows, k, vocab, u):
+        tokens, probs, logits = real_propose(kv, rows, k, vocab, u)  # [B, k], [B, k, V], [B, k, V]
+        assert probs is not None and torch.equal(probs, spec.row_probs(logits, rows))
+        assert torch.equal(tokens, sample_from_probs(probs.flatten(0, 1), u.flatten()).view_as(tokens))
+        sampled = probs[rows.temperature > 0]  # [S, k, V]
+        seen["filtered"] += int(((sampled == 0).sum(-1) > 0).sum())  # top-k/top-p cut these rows
+        seen["q"] += 1
+        return tokens, probs, logits
+
+    def accept(logits, rows, draft_tokens, draft_probs, u):
+        tokens, n, probs = real_accept(logits, rows, draft_tokens, draft_probs, u)
+        assert torch.equal(probs, spec.row_probs(logits, rows))  # [B, k+1, V]
+        seen["p"] += 1
+        return tokens, n, probs
+
+    monkeypatch.setattr(spec, "propose", propose)
+    monkeypatch.setattr(spec, "accept", accept)
+    params = [
+        SamplingParams(max_tokens=MAX_TOKENS, num_speculative_tokens=3, temperature=0.8, top_p=0.7, seed=1),
+        SamplingParams(max_tokens=MAX_TOKENS, num_speculative_tokens=5, temperature=1.2, top_k=5, seed=2),
+        SamplingParams(max_tokens=MAX_TOKENS, num_speculative_tokens=2, temperature=1.0, top_k=20, top_p=0.9, seed=3),
+        SamplingParams(max_tokens=MAX_TOKENS, num_speculative_tokens=4),
+    ]
+    SpecEngine(target, draft, tok, EngineConfig(max_batch_size=4)).generate(prompts[:4], params)
+    assert seen["p"] >= seen["q"] > 0 and seen["filtered"] > 0  # a last step with k = 0 for all rows proposes nothing
 
 
 def test_no_draft_past_max_tokens(pair, tok, reference):

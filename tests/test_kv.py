@@ -11,18 +11,19 @@ from tests.conftest import llama, perturbed
 
 
 def _row_cache(kv, row: int, layer: int) -> torch.Tensor:
-    """The valid columns of one row, in logical order. [H, n, D]"""
+    """Keys and values of one row's valid columns, in logical order. [2, H, n, D]"""
     pos = kv.col_pos[row]
     cols = torch.nonzero(pos >= 0)[:, 0]
     cols = cols[torch.argsort(pos[cols])]
     assert torch.equal(pos[cols], torch.arange(len(cols))), "valid positions must be exactly 0..n-1"
-    return kv.cache.layers[layer].keys[row][:, cols]
+    layer = kv.cache.layers[layer]
+    return torch.stack([layer.keys[row][:, cols], layer.values[row][:, cols]])
 
 
 @torch.inference_mode()
 def _fresh(model, ids: list[int], layer: int) -> torch.Tensor:
-    out = model(torch.tensor([ids]), use_cache=True)
-    return out.past_key_values.layers[layer].keys[0]  # [H, n, D]
+    layer = model(torch.tensor([ids]), use_cache=True).past_key_values.layers[layer]
+    return torch.stack([layer.keys[0], layer.values[0]])  # [2, H, n, D]
 
 
 def test_caches_match_fresh_forward_after_every_step(tok):

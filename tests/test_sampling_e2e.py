@@ -1,8 +1,9 @@
 """End to end: the engine's sampled tokens follow the target's own sampling distribution.
 
-A vocabulary of 6 and two generated tokens give 36 outcomes whose exact probabilities under the
+A vocabulary of 6 and three generated tokens give 216 outcomes whose exact probabilities under the
 target (with the same temperature/top-k/top-p processing) are enumerated; thousands of seeded requests
-are compared to them with a chi-square test. The same test run with a sampler that accepts every
+are compared to them with a chi-square test. Three tokens let the first step draft k=2 (a request
+never drafts past max_tokens), so a rejection at the second position and its residual are exercised. The same test run with a sampler that accepts every
 draft token (no rejection) must fail, which shows the test has the power to catch a broken sampler.
 """
 
@@ -43,7 +44,7 @@ def _chi2_critical(df: int, z: float = 3.09) -> float:
 
 @torch.inference_mode()
 def _exact(target, params: SamplingParams) -> torch.Tensor:
-    """P(t1, t2 | prompt) under the processed target distribution. [V, V]"""
+    """P(t1, t2, t3 | prompt) under the processed target distribution. [V, V, V]"""
     def probs(ids):
         logits = target(torch.tensor(ids)).logits[:, -1]
         n = logits.shape[0]
@@ -53,15 +54,16 @@ def _exact(target, params: SamplingParams) -> torch.Tensor:
 
     p1 = probs([PROMPT])[0]  # [V]
     p2 = probs([PROMPT + [t] for t in range(V)])  # [V, V]
-    return p1[:, None] * p2
+    p3 = probs([PROMPT + [t, u] for t in range(V) for u in range(V)]).view(V, V, V)  # [V, V, V]
+    return p1[:, None, None] * p2[:, :, None] * p3
 
 
 def _sample(target, draft, params: SamplingParams) -> torch.Tensor:
     eng = SpecEngine(target, draft, _IdTokenizer(), EngineConfig(max_batch_size=256))
     outs = eng.generate([PROMPT] * N, [SamplingParams(**{**params.__dict__, "seed": i}) for i in range(N)])
-    counts = torch.zeros(V, V)
+    counts = torch.zeros(V, V, V)
     for o in outs:
-        counts[o.token_ids[0], o.token_ids[1]] += 1
+        counts[tuple(o.token_ids)] += 1
     return counts
 
 
@@ -84,8 +86,8 @@ def models():
 
 
 @pytest.mark.parametrize("params", [
-    SamplingParams(max_tokens=2, temperature=1.0, num_speculative_tokens=2),
-    SamplingParams(max_tokens=2, temperature=0.7, top_k=4, top_p=0.9, num_speculative_tokens=1),
+    SamplingParams(max_tokens=3, temperature=1.0, num_speculative_tokens=2),
+    SamplingParams(max_tokens=3, temperature=0.7, top_k=4, top_p=0.9, num_speculative_tokens=3),
 ])
 def test_sampled_output_follows_target(models, params):
     target, draft = models
@@ -97,7 +99,7 @@ def test_sampled_output_follows_target(models, params):
 def test_broken_sampler_fails_the_same_test(models, monkeypatch):
     """Accepting every draft token (no rejection, no residual) must be caught by the chi-square bound."""
     target, draft = models
-    params = SamplingParams(max_tokens=2, temperature=1.0, num_speculative_tokens=2)
+    params = SamplingParams(max_tokens=3, temperature=1.0, num_speculative_tokens=2)
 
     def accept_all(target_probs, draft_probs, draft_tokens, num_draft, uniforms):
         b, k = draft_tokens.shape
