@@ -204,9 +204,9 @@ def test_hot_swap_mid_request_stays_lossless_and_serves_the_new_draft(tok):
 def _sampled_counts(target, draft, params: SamplingParams, n: int = 6000) -> torch.Tensor:
     ps = [SamplingParams(**{**params.__dict__, "seed": i}) for i in range(n)]
     reqs, *_ = _serve(target, draft, _IdTokenizer(), [PROMPT] * n, ps, move=0.2)
-    counts = torch.zeros(V, V)
+    counts = torch.zeros(V, V, V)  # three tokens, as in test_sampling_e2e: the first step drafts k=2
     for r in reqs:
-        counts[r.output_ids[0], r.output_ids[1]] += 1
+        counts[tuple(r.output_ids)] += 1
     return counts
 
 
@@ -217,14 +217,14 @@ def small():
 
 def test_sampled_output_follows_target(small):
     target, draft = small
-    params = SamplingParams(max_tokens=2, temperature=1.0, num_speculative_tokens=2)
+    params = SamplingParams(max_tokens=3, temperature=1.0, num_speculative_tokens=2)
     stat, df = _chi2(_sampled_counts(target, draft, params), _exact(target, params))
     assert stat < _chi2_critical(df), f"chi2={stat:.1f} over {df} dof"
 
 
 def test_broken_sampler_fails_the_same_test(small, monkeypatch):
     target, draft = small
-    params = SamplingParams(max_tokens=2, temperature=1.0, num_speculative_tokens=2)
+    params = SamplingParams(max_tokens=3, temperature=1.0, num_speculative_tokens=2)
 
     def accept_all(target_probs, draft_probs, draft_tokens, num_draft, uniforms):
         bonus = torch.multinomial(target_probs[:, draft_tokens.shape[1]], 1)
