@@ -128,8 +128,9 @@ class SpecEngine:
         """Per-row uniforms from each request's own generator: u_draft [B, k], u_verify [B, k+1],
         k = max(k_rows). A row draws only the 2·k_i + 1 it uses (its k_i proposals, k_i accept tests
         and the final sample, which the accept rule takes from column k), so a seeded request's
-        output does not depend on which requests share its batch. Greedy rows and unused columns
-        get constants: with one-hot p and q the accept rule never looks at them."""
+        output does not depend on which requests share its batch. Greedy rows get constants (with
+        one-hot p and q the accept rule never looks at them), and so do the columns a row does not
+        use (its proposals past k_i are never verified)."""
         k = max(k_rows)
         u_draft = torch.full((len(self.running), k), 0.5)
         u_verify = torch.full((len(self.running), k + 1), 0.5)

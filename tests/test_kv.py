@@ -16,14 +16,14 @@ def _row_cache(kv, row: int, layer: int) -> torch.Tensor:
     cols = torch.nonzero(pos >= 0)[:, 0]
     cols = cols[torch.argsort(pos[cols])]
     assert torch.equal(pos[cols], torch.arange(len(cols))), "valid positions must be exactly 0..n-1"
-    layer = kv.cache.layers[layer]
-    return torch.stack([layer.keys[row][:, cols], layer.values[row][:, cols]])
+    cached = kv.cache.layers[layer]
+    return torch.stack([cached.keys[row][:, cols], cached.values[row][:, cols]])
 
 
 @torch.inference_mode()
 def _fresh(model, ids: list[int], layer: int) -> torch.Tensor:
-    layer = model(torch.tensor([ids]), use_cache=True).past_key_values.layers[layer]
-    return torch.stack([layer.keys[0], layer.values[0]])  # [2, H, n, D]
+    cached = model(torch.tensor([ids]), use_cache=True).past_key_values.layers[layer]
+    return torch.stack([cached.keys[0], cached.values[0]])  # [2, H, n, D]
 
 
 def test_caches_match_fresh_forward_after_every_step(tok):
