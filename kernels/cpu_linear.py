@@ -147,7 +147,8 @@ class PackedLinear(nn.Linear):
                 or torch.is_autocast_enabled("cpu")):
             return F.linear(x, w, self.bias)
         skinny = rows <= SKINNY_MAX_ROWS and w.dtype == torch.float32 and w.is_contiguous()
-        if not skinny and rows < _min_rows(w):  # no faster path: nothing to (re)pack for
+        min_rows = _min_rows(w)
+        if not skinny and rows < min_rows:  # no faster path: nothing to (re)pack for
             return F.linear(x, w, self.bias)
         if self._packed_of != (w._version, w.data_ptr(), w.dtype):  # weights were loaded or moved since
             self._pack()
@@ -156,7 +157,7 @@ class PackedLinear(nn.Linear):
             if self.bias is not None:
                 y += self.bias
             return y.view(*x.shape[:-1], self.out_features)
-        if rows < _min_rows(w):
+        if rows < min_rows:  # the kernel did not build: F.linear beats oneDNN at these rows
             return F.linear(x, w, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
 

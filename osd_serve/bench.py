@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm import tqdm
 
-from kernels.cpu_linear import PackedLinear
+from kernels.cpu_linear import SKINNY_MAX_ROWS, PackedLinear
 
 from .config import EngineConfig, SamplingParams
 from .engine import SpecEngine
@@ -340,7 +340,7 @@ def run_bench(
         "target_params": sum(p.numel() for p in target.parameters()),
         # kernels/cpu_linear.py: every decoder here runs this same target object, packed or not
         "target_packed_linears": sum(isinstance(m, PackedLinear) for m in target.modules()),
-        # and whether float32 calls of <= 48 rows take kernels/cpu_skinny.cpp
+        # and whether float32 calls of <= SKINNY_MAX_ROWS rows take kernels/cpu_skinny.cpp
         "target_skinny_kernel": any(isinstance(m, PackedLinear) and m._skinny is not None for m in target.modules()),
         "draft_params": sum(p.numel() for p in draft.parameters()),
         "summary": summary,
@@ -370,7 +370,7 @@ def summary_table(report: dict, title: str) -> str:
         f"{report['prompts']} prompts x {report['max_tokens']} tokens, {report['device']} {report.get('dtype', 'float32')}, "
         f"{report['threads']} threads, "
         + (f"target linears on oneDNN prepacked weights ({n}), " if (n := report.get("target_packed_linears")) else "")
-        + ("float32 calls of <= 48 rows on kernels/cpu_skinny.cpp, " if report.get("target_skinny_kernel") else "")
+        + (f"float32 calls of <= {SKINNY_MAX_ROWS} rows on kernels/cpu_skinny.cpp, " if report.get("target_skinny_kernel") else "")
         + f"median of {report.get('repeats', 1)} interleaved run(s) per decoder"
         + (f"; CPU {cpu['model']}, native bf16: {', '.join(cpu['bf16_flags']) or 'none'}" if (cpu := report.get("cpu")) else ""),
         "",
