@@ -111,3 +111,26 @@ def test_split_rows_keep_their_cache_when_the_batch_writes_on(tok):
     for r, saved in zip(rows, kept):
         for layer, (k, v) in zip(r.cache.layers, saved):
             assert torch.equal(layer.keys[:, :, :9], k) and torch.equal(layer.values[:, :, :9], v)
+
+
+def test_bench_forward_cost_times_appends_in_place(tok, monkeypatch):
+    """bench.forward_cost times what a decode step or a verification costs: appends into the cache's
+    existing buffers. A rollback that compacts (or otherwise replaces the layer's tensors) makes every
+    timed forward copy the whole cache into a new buffer, and c and v read low."""
+    from osd_serve import bench
+
+    model = llama(len(tok), layers=2, seed=9)
+    buffers: dict[int, set[int]] = {}  # id(layer) -> data_ptr of every buffer it appended into
+    update = GrowingLayer.update
+
+    def spy(self, key_states, value_states, *args, **kwargs):
+        out = update(self, key_states, value_states, *args, **kwargs)
+        buffers.setdefault(id(self), set()).add(self._kbuf.data_ptr())
+        return out
+
+    monkeypatch.setattr(GrowingLayer, "update", spy)
+    for tokens in (1, 4):
+        buffers.clear()
+        bench.forward_cost(model, 3, 20, len(tok), torch.device("cpu"), repeats=6, tokens=tokens)
+        assert len(buffers) == 2
+        assert all(len(ptrs) == 1 for ptrs in buffers.values()), "a timed forward reallocated the cache"
