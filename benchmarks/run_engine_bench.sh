@@ -39,6 +39,6 @@ fi
   printf 'On the 2-core host the 30M-parameter target sits in L3, and the float32 linears reach 200-240 GFLOP/s,\n'
   printf 'about the FMA peak, from 12-16 rows on (`results/cpu_linear.jsonl`): a batch-8 verification has\n'
   printf '8(k+1) >= 16 rows, so its linears cost in proportion to its rows and v grows with k (column v).\n'
-  printf 'At batch 1 (k+1 rows) v is 1.1-1.2 up to k = 5, mostly attention and per-token elementwise ops.\n\n'
+  printf 'At batch 1 (k+1 rows) v is 1.1-1.2 up to k = 5, split about evenly between the linears and attention with the elementwise ops.\n\n'
   python -m osd_serve.bench "$out"/engine_*.json
 } | tee benchmarks/ENGINE.md
