@@ -104,8 +104,17 @@ def _load_skinny(build: Path):
                     raise TimeoutError(f"another process has held {build / 'osd.lock'} for over {BUILD_WAIT_S} s") from None
                 time.sleep(0.2)
         (build / "lock").unlink(missing_ok=True)
+        # Build from a copy kept in the build directory: torch's loader rebuilds when a source's *path*
+        # changes, so every clone, and every Ray working_dir (a new path per deploy), recompiled the same
+        # source (~25 s). Rewritten only when its content differs, since ninja goes by modification time.
+        src, local = Path(__file__).with_name("cpu_skinny.cpp"), build / "cpu_skinny.cpp"
+        text = src.read_bytes()
+        if not local.is_file() or local.read_bytes() != text:
+            tmp = local.with_suffix(".tmp")
+            tmp.write_bytes(text)
+            tmp.replace(local)
         # -fopenmp: ATen's parallel_for is inline OpenMP; its symbols bind to torch's own libgomp
-        mod = cpp_extension.load(name="osd_serve_cpu_skinny", sources=[str(Path(__file__).with_name("cpu_skinny.cpp"))],
+        mod = cpp_extension.load(name="osd_serve_cpu_skinny", sources=[str(local)],
                                  extra_cflags=["-O3", "-mavx512f", "-fopenmp"], build_directory=str(build), verbose=False)
     return mod.skinny_linear
 

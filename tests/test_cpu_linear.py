@@ -4,6 +4,8 @@ when weights change, and a packed target still decoding exactly like the unpacke
 from __future__ import annotations
 
 import copy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -105,6 +107,23 @@ def test_skinny_dispatch(bias):
     off = nn.Linear(1100, 2100)
     pack_linears(off, skinny=False)
     assert off._skinny is None and copy.deepcopy(off)._use_skinny is False
+
+
+@needs_skinny
+def test_kernel_build_is_shared_by_every_copy_of_the_source(tmp_path):
+    """A second checkout of the same source (another clone, a Ray working_dir) loads the cached build
+    instead of recompiling it."""
+    import shutil
+    import subprocess
+
+    assert cpu_linear.skinny_kernel() is not None
+    so = next(cpu_linear.kernel_build_dir().glob("*.so"))
+    built = so.stat().st_mtime_ns
+    shutil.copytree(Path(cpu_linear.__file__).parent, tmp_path / "kernels", ignore=shutil.ignore_patterns("__pycache__"))
+    code = ("import sys; from kernels import cpu_linear; assert cpu_linear.__file__.startswith(sys.argv[1]); "
+            "assert cpu_linear.skinny_kernel() is not None")
+    subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=tmp_path, check=True, timeout=300)
+    assert so.stat().st_mtime_ns == built, "the copy recompiled the kernel"
 
 
 @needs_skinny
