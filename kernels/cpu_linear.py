@@ -119,6 +119,11 @@ def _load_skinny(build: Path):
     return mod.skinny_linear
 
 
+def _skinny_fits(w: torch.Tensor) -> bool:
+    """Weights kernels/cpu_skinny.cpp multiplies: float32, rows contiguous."""
+    return w.dtype == torch.float32 and w.is_contiguous()
+
+
 def _min_rows(w: torch.Tensor) -> int:
     """Fewest rows for which oneDNN's packed path beats F.linear for this weight."""
     if w.dtype == torch.bfloat16:
@@ -138,7 +143,7 @@ class PackedLinear(nn.Linear):
         # the batch-size hint only picks oneDNN's weight layout; any row count works with it
         self._packed = torch.ops.mkldnn._reorder_linear_weight(w, MIN_ROWS)
         self._packed_of = (w._version, w.data_ptr(), w.dtype)
-        use = w.dtype == torch.float32 and w.is_contiguous() and getattr(self, "_use_skinny", True)
+        use = _skinny_fits(w) and getattr(self, "_use_skinny", True)
         self._skinny = skinny_kernel() if use else None
 
     def __getstate__(self) -> dict:
@@ -155,7 +160,7 @@ class PackedLinear(nn.Linear):
         if (torch.is_grad_enabled() or not x.is_cpu or x.dtype != w.dtype or w.is_inference()
                 or torch.is_autocast_enabled("cpu")):
             return F.linear(x, w, self.bias)
-        skinny = rows <= SKINNY_MAX_ROWS and w.dtype == torch.float32 and w.is_contiguous()
+        skinny = rows <= SKINNY_MAX_ROWS and _skinny_fits(w)
         min_rows = _min_rows(w)
         if not skinny and rows < min_rows:  # no faster path: nothing to (re)pack for
             return F.linear(x, w, self.bias)

@@ -117,6 +117,7 @@ def test_kernel_build_is_shared_by_every_copy_of_the_source(tmp_path):
     import subprocess
 
     assert cpu_linear.skinny_kernel() is not None
+
     def builds() -> dict:  # every built library in the cache and when it was written
         return {so.name: so.stat().st_mtime_ns for so in cpu_linear.kernel_build_dir().glob("*.so")}
 

@@ -19,7 +19,7 @@ from osd_serve.engine import SpecEngine
 from osd_serve.output import Request
 from tests.conftest import llama, perturbed
 from tests.test_engine import MAX_TOKENS, _hf_greedy, _prompts, count_mismatches
-from tests.test_sampling_e2e import PROMPT, V, _chi2, _chi2_critical, _exact, _IdTokenizer
+from tests.test_sampling_e2e import PROMPT, V, _chi2, _chi2_critical, _exact, _IdTokenizer, histogram
 
 
 class Batcher:
@@ -204,10 +204,7 @@ def test_hot_swap_mid_request_stays_lossless_and_serves_the_new_draft(tok):
 def _sampled_counts(target, draft, params: SamplingParams, n: int = 6000) -> torch.Tensor:
     ps = [SamplingParams(**{**params.__dict__, "seed": i}) for i in range(n)]
     reqs, *_ = _serve(target, draft, _IdTokenizer(), [PROMPT] * n, ps, move=0.2)
-    counts = torch.zeros(V, V, V)  # three tokens, as in test_sampling_e2e: the first step drafts k=2
-    for r in reqs:
-        counts[tuple(r.output_ids)] += 1
-    return counts
+    return histogram(r.output_ids for r in reqs)  # three tokens, as in test_sampling_e2e: the first step drafts k=2
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,9 @@
 A vocabulary of 6 and three generated tokens give 216 outcomes whose exact probabilities under the
 target (with the same temperature/top-k/top-p processing) are enumerated; thousands of seeded requests
 are compared to them with a chi-square test. Three tokens let the first step draft k=2 (a request
-never drafts past max_tokens), so a rejection at the second position and its residual are exercised. The same test run with a sampler that accepts every
-draft token (no rejection) must fail, which shows the test has the power to catch a broken sampler.
+never drafts past max_tokens), so a rejection at the second position and its residual are exercised.
+The same test run with a sampler that accepts every draft token (no rejection) must fail, which shows
+the test has the power to catch a broken sampler.
 """
 
 from __future__ import annotations
@@ -61,9 +62,14 @@ def _exact(target, params: SamplingParams) -> torch.Tensor:
 def _sample(target, draft, params: SamplingParams) -> torch.Tensor:
     eng = SpecEngine(target, draft, _IdTokenizer(), EngineConfig(max_batch_size=256))
     outs = eng.generate([PROMPT] * N, [SamplingParams(**{**params.__dict__, "seed": i}) for i in range(N)])
+    return histogram(o.token_ids for o in outs)
+
+
+def histogram(outputs) -> torch.Tensor:
+    """Counts of each three-token output. [V, V, V]"""
     counts = torch.zeros(V, V, V)
-    for o in outs:
-        counts[tuple(o.token_ids)] += 1
+    for ids in outputs:
+        counts[tuple(ids)] += 1
     return counts
 
 
