@@ -143,6 +143,7 @@ class PackedLinear(nn.Linear):
         # the batch-size hint only picks oneDNN's weight layout; any row count works with it
         self._packed = torch.ops.mkldnn._reorder_linear_weight(w, MIN_ROWS)
         self._packed_of = (w._version, w.data_ptr(), w.dtype)
+        self._min_rows = _min_rows(w)  # fixed by the weight's dtype and size, both part of _packed_of
         use = _skinny_fits(w) and getattr(self, "_use_skinny", True)
         self._skinny = skinny_kernel() if use else None
 
@@ -161,17 +162,16 @@ class PackedLinear(nn.Linear):
                 or torch.is_autocast_enabled("cpu")):
             return F.linear(x, w, self.bias)
         skinny = rows <= SKINNY_MAX_ROWS and _skinny_fits(w)
-        min_rows = _min_rows(w)
-        if not skinny and rows < min_rows:  # no faster path: nothing to (re)pack for
-            return F.linear(x, w, self.bias)
         if self._packed_of != (w._version, w.data_ptr(), w.dtype):  # weights were loaded or moved since
+            if not skinny and rows < _min_rows(w):  # no faster path: nothing to (re)pack for
+                return F.linear(x, w, self.bias)
             self._pack()
         if skinny and self._skinny is not None:
             y = self._skinny(x.reshape(rows, x.shape[-1]).contiguous(), w)  # [rows, out]
             if self.bias is not None:
                 y += self.bias
             return y.view(*x.shape[:-1], self.out_features)
-        if rows < min_rows:  # the kernel did not build: F.linear beats oneDNN at these rows
+        if rows < self._min_rows:  # not on the kernel, and too few rows for oneDNN to beat F.linear
             return F.linear(x, w, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
 
