@@ -89,9 +89,17 @@ def new_cache(config) -> DynamicCache:
     return cache
 
 
+def max_input_id(model) -> int:
+    """The last id ``model`` embeds. A draft's embedding can be smaller than the target's (Qwen2.5
+    0.5B: 151936 rows, 7B: 152064): a target id it lacks is fed to it as this one (``ids.clamp``). That
+    only makes its proposals worse, never the output: verification decides every token."""
+    return model.get_input_embeddings().weight.shape[0] - 1
+
+
 class BatchKV:
     def __init__(self, model, batch_size: int, device: torch.device):
         self.model = model
+        self.max_id = max_input_id(model)
         self.cache: DynamicCache | None = None
         # Logical position of each cache column, -1 for a hole.
         self.col_pos = torch.full((batch_size, 0), -1, dtype=torch.long, device=device)  # [B, P]
@@ -126,7 +134,7 @@ class BatchKV:
         # No holes anywhere: let attention take its plain causal path instead of building a 4D mask.
         no_holes = bool(mask.all())
         out = self.model(
-            input_ids=input_ids,
+            input_ids=input_ids.clamp(max=self.max_id),
             attention_mask=None if no_holes else mask.long(),
             position_ids=pos,
             past_key_values=self.cache,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import random
 import threading
 
@@ -266,3 +267,26 @@ def test_online_distiller_in_background_publishes_and_stays_lossless(models, tok
     # a version published after the last step is applied at the next one
     assert eng.generate([prompts[0]], SamplingParams(max_tokens=20, num_speculative_tokens=4, ignore_eos=True))[0].token_ids == refs[0]
     assert eng.draft_version == dist.store.current
+
+
+def test_a_draft_with_a_smaller_vocabulary_serves_and_distils(tok):
+    """A target whose embedding has rows the draft lacks (Qwen2.5-7B 152064, 0.5B 151936): ids only
+    the target has reach the draft (a prompt here; a target may emit them too), yet serving stays the
+    target's greedy decoding and distillation trains over the ids the draft has."""
+    target = llama(len(tok) + 8, seed=0)
+    draft = llama(len(tok), seed=1)
+    prompts = [p + [len(tok) + 3] for p in _prompts(len(tok), 8, 11)]
+    with torch.inference_mode():
+        refs = []
+        for p in prompts:
+            ids = torch.tensor([p])
+            out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N_TOK, min_new_tokens=N_TOK, do_sample=False)
+            refs.append(out[0, len(p):].tolist())
+    recs, outs = _records(target, draft, tok, prompts, k=3)
+    assert [c.token_ids for c in outs] == refs
+    vocab = len(tok) + 8
+    before = evaluate(draft, recs, vocab)
+    tr = DistillTrainer(draft, TrainConfig(mode="full", lr=3e-3, batch_size=8), vocab=vocab)
+    losses = tr.train(recs, steps=30)
+    assert all(map(math.isfinite, losses)) and losses[-1] < losses[0]
+    assert evaluate(tr.student, recs, vocab)["expected_acceptance"] > before["expected_acceptance"]

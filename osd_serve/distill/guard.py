@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kv import pad_right
+from ..kv import max_input_id, pad_right
 from .replay import ReplayRecord
 
 
@@ -49,11 +49,12 @@ def evaluate(model, records: list[ReplayRecord], vocab: int, batch: int = 16) ->
         ids, mask = pad_right([torch.cat([r.prompt_ids, r.response_ids]) for r in recs])
         mask = mask.long()
         dev = next(model.parameters()).device
-        logits = model(input_ids=ids.to(dev), attention_mask=mask.to(dev)).logits.float().cpu()  # [B, L, V']
+        logits = model(input_ids=ids.clamp(max=max_input_id(model)).to(dev), attention_mask=mask.to(dev)).logits.float().cpu()  # [B, L, V']
         for j, r in enumerate(recs):
-            q = torch.softmax(logits[j, len(r.prompt_ids) - 1 + r.positions, :vocab], -1)  # [n, V]
+            q = torch.softmax(logits[j, len(r.prompt_ids) - 1 + r.positions, :vocab], -1)  # [n, V'']
             p = r.dense_probs(vocab)  # [n, V]
-            overlap += float(torch.minimum(p, q).sum())
+            # A draft with a smaller embedding (V'' < V) never proposes the missing ids: no overlap there.
+            overlap += float(torch.minimum(p[:, : q.shape[-1]], q).sum())
             agree += int((q.argmax(-1) == p.argmax(-1)).sum())
             n += len(r.positions)
     model.train(was_training)

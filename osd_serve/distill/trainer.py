@@ -19,7 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kernels.fused_kl import chunked_forward_kl
-from ..kv import pad_right
+from ..kv import max_input_id, pad_right
 from .losses import LOSSES
 from .replay import ReplayRecord
 
@@ -143,10 +143,15 @@ class DistillTrainer:
             p.append(pr)
         ids, mask = pad_right(seqs)  # right padding: kept positions never attend to it
         mask = mask.long()
-        logits = self.student(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits  # [B, L, V']
+        logits = self.student(input_ids=ids.clamp(max=max_input_id(self.student)).to(self.device), attention_mask=mask.to(self.device)).logits  # [B, L, V']
         rows_t, idx_t = torch.cat(rows).to(self.device), torch.cat(idx).to(self.device)
-        student = logits[rows_t, idx_t, : self.vocab]  # [N, V]
+        student = logits[rows_t, idx_t, : self.vocab]  # [N, V'']
         teacher_p = torch.cat(p).to(self.device)  # [N, V]
+        if student.shape[-1] < teacher_p.shape[-1]:
+            # A draft with a smaller embedding than the target's (Qwen2.5-0.5B for -7B: 151936 < 152064)
+            # cannot put mass on the missing ids; it learns the target's distribution over the ids it has.
+            teacher_p = teacher_p[:, : student.shape[-1]]
+            teacher_p = teacher_p / teacher_p.sum(-1, keepdim=True).clamp_min(_EPS)
         if self.cfg.chunk_size:
             return chunked_forward_kl(student, teacher_p, chunk_size=self.cfg.chunk_size)
         # The losses take teacher logits; log p is one (softmax(log p) = p). Zeros are clamped.
