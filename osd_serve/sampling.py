@@ -66,7 +66,9 @@ def logits_to_probs(
         return one_hot
     # Greedy rows get temperature 1 only so the shared path below stays finite; they are replaced.
     temp = torch.where(greedy, torch.ones_like(temperature), temperature).float()  # [N]
-    scaled = logits / temp.unsqueeze(1)  # [N, V]
+    # The row max comes off first: a tiny temperature (1e-40 is a float32 subnormal) would make
+    # logits / T overflow to inf and the softmax NaN; shifted logits are <= 0, so they only reach -inf.
+    scaled = (logits - logits.amax(dim=1, keepdim=True)) / temp.unsqueeze(1)  # [N, V]
     probs = apply_top_k_top_p(scaled, top_k, top_p).softmax(dim=-1)  # [N, V]
     return torch.where(greedy.unsqueeze(1), one_hot, probs)  # [N, V]
 

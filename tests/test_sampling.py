@@ -82,6 +82,15 @@ def test_temperature_zero_is_one_hot_of_argmax():
     assert probs[3].argmax() == 7
 
 
+@pytest.mark.parametrize("temp", [1e-6, 1e-30, 1e-40])  # 1e-40 is a float32 subnormal: logits / T overflow
+def test_a_tiny_temperature_samples_the_argmax(temp):
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(16, 64, generator=gen) * 5  # [N, V]
+    n = len(logits)
+    probs = logits_to_probs(logits, torch.full((n,), temp), torch.zeros(n, dtype=torch.long), torch.ones(n))
+    assert torch.equal(probs, torch.nn.functional.one_hot(logits.argmax(-1), 64).float())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_greedy_tokens_break_ties_like_argmax(dtype):
     """HF greedy decoding takes torch.argmax (first index on ties); greedy_tokens must agree, ties
