@@ -56,6 +56,9 @@ class ProposeItem:
     history: list[int]  # prompt + output so far
     k: int
     sampling: Sampling
+    # k of the next step if all k are accepted (max_tokens caps it; 0: no step would draft), so
+    # drafting ahead never runs past the positions the request can use. None: k again.
+    next_k: int | None = None
 
 
 @dataclass
@@ -202,8 +205,13 @@ class DraftWorker:
             return
         items, props = self._last
         self._last = None
+        nexts = [it.k if it.next_k is None else it.next_k for it in items]
+        keep = [i for i, n in enumerate(nexts) if n > 0]  # a request that would end needs no next step
+        if not keep:
+            return
+        items, props, nexts = [items[i] for i in keep], [props[i] for i in keep], [nexts[i] for i in keep]
         histories = [it.history + p.tokens for it, p in zip(items, props)]
-        for it, h, p in zip(items, histories, self._draft(items, histories, [it.k + 1 for it in items], _AHEAD)):
+        for it, h, p in zip(items, histories, self._draft(items, histories, [n + 1 for n in nexts], _AHEAD)):
             probs = p.probs[1:] if p.probs is not None else None
             self._ahead[it.seq_id] = (h + p.tokens[:1], Proposal(p.tokens[1:], probs, p.version))
 
@@ -317,7 +325,8 @@ async def run_request(
     while not req.finished:
         history = req.prompt_ids + req.output_ids
         k = req.step_k()
-        prop = await propose_fn(ProposeItem(req.request_id, history, k, s)) if k else Proposal([], None)
+        item = ProposeItem(req.request_id, history, k, s, next_k=req.step_k(emitted=len(req.output_ids) + k + 1))
+        prop = await propose_fn(item) if k else Proposal([], None)
         v = await verify_fn(VerifyItem(req.request_id, history, prop.tokens, prop.probs, s, req.expert,
                                        len(req.prompt_ids), prop.version))
         req.proposed += k

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -22,13 +23,20 @@ def check_prompt(tokenizer, vocab: int, max_model_len: int, prompt, params: Samp
         raise ValueError("prompt must contain at least one token")
     if any(not 0 <= t < vocab for t in ids):
         raise ValueError(f"prompt token ids must be in [0, {vocab})")
-    budget = len(ids) + params.max_tokens + params.num_speculative_tokens
-    if budget > max_model_len:
+    # Not + k: Request.step_k never drafts past max_tokens, so k needs no positions of its own.
+    if len(ids) + params.max_tokens > max_model_len:
         raise ValueError(
-            f"prompt is too long: {len(ids)} prompt tokens + max_tokens {params.max_tokens} + "
-            f"num_speculative_tokens {params.num_speculative_tokens} exceeds max_model_len {max_model_len}"
+            f"prompt is too long: {len(ids)} prompt tokens + max_tokens {params.max_tokens} "
+            f"exceeds max_model_len {max_model_len}"
         )
     return text, ids
+
+
+def _decode(tokenizer, ids: list[int]) -> str:
+    """Text of generated ids, without the tokenizer's ``clean_up_tokenization_spaces`` (as vLLM): that
+    post-processing rewrites text already streamed (" ." becomes "." once the "." arrives) and
+    changes what the model wrote (code such as ``x .y``). Llama-3's tokenizer turns it on."""
+    return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
 def eos_token_ids(model_or_config, tokenizer) -> set[int]:
@@ -92,10 +100,12 @@ class Request:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def step_k(self) -> int:
-        """Draft tokens for this request's next step: its k, but never past max_tokens. With n tokens
-        left it emits at most n (accepted + 1), so drafts beyond n - 1 could only be thrown away."""
-        return min(self.params.num_speculative_tokens, max(self.params.max_tokens - len(self.output_ids) - 1, 0))
+    def step_k(self, emitted: int | None = None) -> int:
+        """Draft tokens for this request's next step (or for a step once ``emitted`` tokens are out):
+        its k, but never past max_tokens. With n tokens left it emits at most n (accepted + 1), so drafts
+        beyond n - 1 could only be thrown away. So no forward reaches position prompt + max_tokens - 1."""
+        emitted = len(self.output_ids) if emitted is None else emitted
+        return min(self.params.num_speculative_tokens, max(self.params.max_tokens - emitted - 1, 0))
 
     def append(self, new_ids: list[int], tokenizer, eos_ids: set[int]) -> None:
         """Append accepted tokens one by one, stopping at EOS, max_tokens or a stop string."""
@@ -111,25 +121,40 @@ class Request:
                 break
         # EOS is kept in token_ids (as HF generate does) but never rendered as text.
         ids = self.output_ids[:-1] if self.finish_reason == "stop" else self.output_ids
-        searched = len(self.text)
+        before = self.text
         self.text = self._render(tokenizer, ids, start)
-        for s in p.stop:
-            # Only text from the last step can complete a stop string first seen now.
-            at = self.text.find(s, max(0, searched - len(s) + 1))
-            if at >= 0:  # later stops search the truncated text, so the earliest one wins
-                self.text = self.text[:at]
-                self.finish_reason = "stop"
+        if p.stop:
+            self._stop_at_string(tokenizer, before, start)
+
+    def _stop_at_string(self, tokenizer, before: str, start: int) -> None:
+        """End at the first stop string to complete in the text: cut the text before it, and drop
+        the tokens after the one that completed it. A step appends up to k+1 tokens at once, so
+        without the token cut the token ids (and usage) would depend on k; with it they are what
+        one token per step gives. Of two stops completing at once, the one starting first wins."""
+        # Only text after what the last step already showed can complete a stop first seen now. The
+        # text grows by appending, except that a full decode may turn a trailing U+FFFD into the
+        # character it was the start of: search from the common prefix.
+        stable = len(before) if self.text.startswith(before) else len(os.path.commonprefix([before, self.text]))
+        hits = [(at + len(s), at) for s in self.params.stop if (at := self.text.find(s, max(0, stable - len(s) + 1))) >= 0]
+        if not hits:
+            return
+        end, at = min(hits)
+        self.text, self.finish_reason = self.text[:at], "stop"
+        for j in range(start, len(self.output_ids)):  # the first new token whose text reaches the stop's end
+            if len(_decode(tokenizer, self.output_ids[: j + 1]).rstrip("\ufffd")) >= end:
+                del self.output_ids[j + 1 :]
+                break
 
     def _render(self, tokenizer, ids: list[int], start: int) -> str:
         """The text of ``ids``. While running, only the new ids ``ids[start:]`` are decoded, by the
         tokenizers library's own incremental ``DecodeStream``: decoding all output ids every step cost
         O(length) per step (0.5 ms per row at 2,000 tokens on CPU). The stream holds back an incomplete
         UTF-8 tail that a full decode shows as U+FFFD; once finished, one full decode gives the final
-        text exactly as ``tokenizer.decode`` would. Tokenizers without a fast backend, and those that
-        post-process spaces after decoding, are decoded in full every step."""
+        text exactly as ``_decode`` would. Tokenizers without a fast backend are decoded in full every
+        step."""
         backend = getattr(tokenizer, "backend_tokenizer", None)
-        if self.finished or backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
-            return tokenizer.decode(ids, skip_special_tokens=True)
+        if self.finished or backend is None:
+            return _decode(tokenizer, ids)
         if self._stream is None:
             self._stream = DecodeStream(skip_special_tokens=True)
         new = ids[start:]

@@ -120,7 +120,7 @@ def test_draft_equal_to_target_accepts_all_and_drafts_ahead(tok):
 
 def test_no_draft_past_max_tokens(tok):
     """As in the colocated engine: 12 tokens at k=8 are one step of 8 drafts and one of 2, and the
-    second uses the first 2 of the 9 tokens drafted ahead rather than drafting again."""
+    second uses the 2 tokens drafted ahead after the bonus guess rather than drafting again."""
     target = llama(len(tok), seed=3)
     prompts = _prompts(len(tok), n=4, seed=9)
     params = SamplingParams(max_tokens=12, num_speculative_tokens=8, ignore_eos=True)
@@ -128,6 +128,27 @@ def test_no_draft_past_max_tokens(tok):
     assert sorted((v.accepted, len(v.tokens)) for v in verdicts) == [(2, 3)] * 4 + [(8, 9)] * 4
     assert [(r.proposed, len(r.output_ids)) for r in reqs] == [(10, 12)] * 4
     assert drafts[0].hits == 4
+
+
+def test_a_request_filling_the_model_length_runs_at_any_k(tok):
+    """prompt + max_tokens = the models' position limit (GPT-2's n_positions: a position past it is an
+    IndexError): accepted at k = 8 as at k = 0, since no draft, verification or draft-ahead forward
+    goes past the last position the request uses. Output = the target's greedy decoding."""
+    from tests.conftest import gpt2
+
+    target = gpt2(len(tok), seed=4)
+    target.config.n_positions = 32
+    target.transformer.wpe.weight.data = target.transformer.wpe.weight.data[:32]
+    draft = perturbed(target, 0.05)
+    prompts = _prompts(len(tok), n=4, seed=5)
+    prompts = [(p * 8)[:8] for p in prompts]  # 8 + 24 = 32
+    refs = [_hf_greedy(target, p, 24) for p in prompts]
+    params = SamplingParams(max_tokens=24, num_speculative_tokens=8, ignore_eos=True)
+    eng = SpecEngine(target, draft, tok)
+    assert eng.max_model_len == 32
+    assert [c.token_ids for c in eng.generate(prompts, params)] == refs
+    reqs, drafts, _, _ = _serve(target, draft, tok, prompts, params, workers=1, move=0.0)
+    assert [r.output_ids for r in reqs] == refs and drafts[0].hits > 0
 
 
 @torch.inference_mode()

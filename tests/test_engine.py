@@ -241,8 +241,11 @@ def test_stop_string_eos_and_streaming(tok):
     # A stop string taken from inside an output truncates the text right before it.
     c = next(c for c in full if len(c.text) > 6)
     stop = c.text[3:5]
-    got = SpecEngine(target, draft, tok).generate([c.prompt], SamplingParams(max_tokens=40, num_speculative_tokens=3, stop=[stop]))[0]
-    assert got.finish_reason == "stop" and got.text == c.text[: c.text.find(stop)]
+    # Its token ids end with the token completing it, whatever k (one char per token here).
+    for k in (0, 3, 8):
+        got = SpecEngine(target, draft, tok).generate([c.prompt], SamplingParams(max_tokens=40, num_speculative_tokens=k, stop=[stop]))[0]
+        assert got.finish_reason == "stop" and got.text == c.text[: c.text.find(stop)]
+        assert got.token_ids == c.token_ids[: c.text.find(stop) + len(stop)], k
 
 
 def test_abort_frees_the_row(pair, tok, reference):

@@ -61,13 +61,18 @@ def test_stop_string_spanning_steps_and_eos(bpe):
     text = bpe.decode(ids)
     stop = "café: ∑ x"
     assert len(bpe.encode(stop)) > 3  # so with a few tokens per step it arrives across steps
-    for per_step in (1, 2, 3):
+    kept = {}
+    for per_step in (1, 2, 3, 7, len(ids)):  # 1: plain decoding; len(ids): the whole output in one step
         r = _request(max_tokens=len(ids), stop=[stop])
         for i in range(0, len(ids), per_step):
             r.append(ids[i : i + per_step], bpe, {bpe.eos_token_id})
             if r.finished:
                 break
         assert r.finish_reason == "stop" and r.text == text[: text.find(stop)]
+        kept[per_step] = r.output_ids
+    # The token ids end at the token that completes the stop string, however many a step appended.
+    assert all(k == kept[1] for k in kept.values()), {n: len(k) for n, k in kept.items()}
+    assert stop in bpe.decode(kept[1]) and stop not in bpe.decode(kept[1][:-1])
     eos = bpe.eos_token_id
     r = _request(max_tokens=50)
     r.append(ids[:3] + [eos] + ids[3:6], bpe, {eos})
@@ -84,3 +89,58 @@ def test_earliest_of_several_stop_strings_wins_within_one_step(bpe):
     assert not r.finished and 0 < len(r.text) < text.find(early)
     r.append(ids[cut:], bpe, {bpe.eos_token_id})
     assert r.finish_reason == "stop" and r.text == text[: text.find(early)]
+
+
+def test_the_first_stop_string_to_complete_wins_whatever_the_list_order():
+    from tests.conftest import char_tokenizer
+
+    tok = char_tokenizer()
+    ids = tok.encode("xxabcdyy")
+    for stops, want in ((["cd", "bcd"], "xxa"), (["abcd", "bc"], "xxa"), (["abcd", "cdy"], "xx")):
+        for order in (stops, stops[::-1]):
+            for per_step in (1, len(ids)):
+                r = Request("r", "", [3], SamplingParams(max_tokens=50, stop=order), None)
+                for i in range(0, len(ids), per_step):
+                    r.append(ids[i : i + per_step], tok, {1})
+                    if r.finished:
+                        break
+                assert (r.finish_reason, r.text) == ("stop", want), (order, per_step)
+
+
+def test_text_is_not_cleaned_up_so_a_stream_never_rewrites_what_it_sent():
+    """Llama-3's tokenizer sets clean_up_tokenization_spaces, which turns " ." into "." once the "."
+    arrives: a stream would already have sent the space. The text is the decode without it."""
+    from tests.conftest import char_tokenizer
+
+    tok = char_tokenizer()
+    tok.clean_up_tokenization_spaces = True
+    ids = tok.encode("Hello . Bye")
+    assert tok.decode(ids) == "Hello. Bye"  # what the clean-up would give
+    r, streamed = Request("r", "", [3], SamplingParams(max_tokens=len(ids)), None), ""
+    for t in ids:
+        r.append([t], tok, {1})
+        streamed += r.delta().text
+    assert r.finish_reason == "length" and r.text == streamed == "Hello . Bye"
+    r = Request("r", "", [3], SamplingParams(max_tokens=len(ids), stop=["o ."]), None)
+    for t in ids:
+        r.append([t], tok, {1})
+    assert (r.finish_reason, r.text) == ("stop", "Hell")
+
+
+class _SlowTokenizer:
+    """A tokenizer without a fast backend: its requests decode all output ids every step."""
+
+    def __init__(self, tok):
+        self.decode = tok.decode
+
+
+def test_a_full_decode_finds_a_stop_string_after_a_character_split_across_tokens(bpe):
+    ids = bpe.encode("ab 日本語 zz")
+    assert bpe.decode(ids[:4]).endswith("\ufffd")  # the decode of a prefix ends mid-character
+    r = Request("r", "", [0], SamplingParams(max_tokens=len(ids), stop=[" 日"]), None)
+    for t in ids:
+        r.append([t], _SlowTokenizer(bpe), {bpe.eos_token_id})
+        if r.finished:
+            break
+    assert (r.finish_reason, r.text) == ("stop", "ab")
+    assert " 日" in bpe.decode(r.output_ids) and " 日" not in bpe.decode(r.output_ids[:-1])

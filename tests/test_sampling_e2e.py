@@ -34,7 +34,7 @@ class _IdTokenizer:
     def encode(self, s):
         return [int(x) for x in s.split()]
 
-    def decode(self, ids, skip_special_tokens=True):
+    def decode(self, ids, skip_special_tokens=True, **kwargs):
         return " ".join(map(str, ids))
 
 
