@@ -14,12 +14,16 @@ import secrets
 import uuid
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from osd_serve.protocol import (ChatRequest, CompletionRequest, RequestError, chunk_body, completion_body,
-                                engine_error, parse_request, sse)
+                                engine_error, parse_request, sse, usage_chunk)
 
 from .config import AppConfig
+
+# A step of the engine serving the request raised (logged there); its requests end, the server goes on.
+ENGINE_FAILED = RequestError("the engine failed while generating this request; it was ended, retry it", None, 500)
 
 
 def classify(prompt: str, cfg: AppConfig) -> str:
@@ -44,6 +48,13 @@ def make_app(backend, cfg: AppConfig) -> FastAPI:
     @app.exception_handler(RequestError)
     async def _bad_request(_, e: RequestError):
         return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_route_args(_, e: RequestValidationError):  # e.g. ?to=abc: OpenAI's shape, not FastAPI's 422
+        first = e.errors()[0]
+        param = ".".join(str(p) for p in first["loc"] if p not in ("query", "path", "body", "header")) or None
+        err = RequestError(f"{param}: {first['msg']}" if param else first["msg"], param)
+        return JSONResponse(err.body(), status_code=err.status)
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
@@ -90,24 +101,37 @@ def make_app(backend, cfg: AppConfig) -> FastAPI:
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         model = cfg.served_model_name
 
+        n_prompt = first.get("prompt_tokens", 0)
+
+        def usage(n_tok: int) -> dict:
+            return {"prompt_tokens": n_prompt, "completion_tokens": n_tok, "total_tokens": n_prompt + n_tok}
+
         if req.stream:
             async def events():
-                n = 0
+                n, n_tok = 0, 0
                 async for d in _chain(first, it):
+                    n_tok += len(d["token_ids"])
+                    if d["finish_reason"] == "error":  # headers are sent: the error goes in the stream
+                        yield sse(ENGINE_FAILED.body())
+                        break
                     if d["text"] or d["finished"] or n == 0:
                         yield sse(chunk_body(rid, model, d["text"], d["finish_reason"] if d["finished"] else None, chat, n == 0))
                         n += 1
+                else:
+                    if req.stream_options is not None and req.stream_options.include_usage:
+                        yield sse(usage_chunk(rid, model, usage(n_tok), chat))
                 yield sse("[DONE]")
 
             return StreamingResponse(events(), media_type="text/event-stream", headers={"x-osd-expert": expert})
 
-        text, n_tok, finish, n_prompt = "", 0, None, first.get("prompt_tokens", 0)
+        text, n_tok, finish = "", 0, None
         async for d in _chain(first, it):
             text += d["text"]
             n_tok += len(d["token_ids"])
             finish = d["finish_reason"]
-        usage = {"prompt_tokens": n_prompt, "completion_tokens": n_tok, "total_tokens": n_prompt + n_tok}
-        return JSONResponse(completion_body(rid, model, text, finish, usage, chat), headers={"x-osd-expert": expert})
+        if finish == "error":
+            raise ENGINE_FAILED
+        return JSONResponse(completion_body(rid, model, text, finish, usage(n_tok), chat), headers={"x-osd-expert": expert})
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -210,10 +210,25 @@ class DisaggBackend:
     def __init__(self, cfg: AppConfig):
         self.cfg = cfg
         self._ready = False
+        self._setup_lock: asyncio.Lock | None = None
         self._releasing: set[asyncio.Task] = set()
 
-    def _setup(self) -> None:
-        # In the Router replica, on first use (this object is pickled with the FastAPI app).
+    async def _ensure_ready(self) -> None:
+        # In the Router replica, on first use (this object is pickled with the FastAPI app). In a
+        # thread: on a node without the default pair cached, model_paths builds it (minutes), and on the
+        # event loop that would stall every route, /health included. One request sets up; others wait.
+        if self._ready:
+            return
+        self._setup_lock = self._setup_lock or asyncio.Lock()
+        async with self._setup_lock:
+            if not self._ready:
+                await asyncio.to_thread(self._load)
+                app = serve.get_replica_context().app_name
+                self.drafts = serve.get_deployment_handle("DraftPool", app)
+                self.verifier = serve.get_deployment_handle("Verifier", app)
+                self._ready = True
+
+    def _load(self) -> None:
         from transformers import GenerationConfig
 
         from osd_serve.loading import load_tokenizer, pair_limits
@@ -228,10 +243,6 @@ class DisaggBackend:
         except OSError:
             gen = None
         self.eos = eos_token_ids(gen, self.tokenizer)
-        app = serve.get_replica_context().app_name
-        self.drafts = serve.get_deployment_handle("DraftPool", app)
-        self.verifier = serve.get_deployment_handle("Verifier", app)
-        self._ready = True
 
     def experts(self) -> list[str]:
         return [e.name for e in self.cfg.experts]
@@ -240,8 +251,7 @@ class DisaggBackend:
         from osd_serve.output import check_prompt
         from osd_serve.protocol import render_chat
 
-        if not self._ready:
-            self._setup()
+        await self._ensure_ready()
         t0 = time.perf_counter()
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
             prompt = render_chat(prompt, self.tokenizer)
@@ -275,8 +285,7 @@ class DisaggBackend:
     async def admin_experts(self):
         # Verifier replicas are not addressable one by one through a handle; this asks one of them
         # (all of them when there is a single replica, the default).
-        if not self._ready:
-            self._setup()
+        await self._ensure_ready()
         running = await self.verifier.running.remote()
         out = {}
         for e in self.experts():
@@ -294,8 +303,7 @@ class DisaggBackend:
         return VersionStore(path).versions if path.exists() else []
 
     async def admin_metrics(self):
-        if not self._ready:
-            self._setup()
+        await self._ensure_ready()
         return await self.verifier.metrics.remote()
 
     async def admin_rollback(self, expert, to):

@@ -37,7 +37,10 @@ class SamplingParams:
     def validate(self) -> None:
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "an integer >= 1", self.max_tokens)
         _check(self.temperature >= 0.0, "temperature", ">= 0", self.temperature)
-        _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "an integer >= 0 (0 disables)", self.top_k)
+        # Bounded so they fit the int64 tensors and the generator seed they become, or admission fails.
+        _check(isinstance(self.top_k, int) and 0 <= self.top_k < 2**31, "top_k", "an integer in [0, 2**31) (0 disables)", self.top_k)
+        _check(self.seed is None or (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**64), "seed",
+               "a 64-bit integer, in [-2**63, 2**64)", self.seed)
         _check(0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]", self.top_p)
         _check(
             isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop) and len(self.stop) <= 16,

@@ -91,6 +91,13 @@ class SpecEngine:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def reset(self) -> None:
+        """Forget every request and cache, e.g. after a step raised (the caller ends the requests).
+        In place, not a new engine: distillers and version watchers hold this object."""
+        self.waiting, self.running, self._rows = deque(), [], None
+        self._target_kv = BatchKV(self.target, 0, self.device)
+        self._draft_kv = BatchKV(self.draft, 0, self.device)
+
     # ---- one step ---------------------------------------------------------------------------------
     def _admit(self) -> None:
         room = self.config.max_batch_size - len(self.running)
@@ -227,9 +234,9 @@ class SpecEngine:
         if len(keep) == len(self.running):
             return
         if not keep:  # start the next batch from fresh caches rather than zero-row ones
-            self._target_kv = BatchKV(self.target, 0, self.device)
-            self._draft_kv = BatchKV(self.draft, 0, self.device)
-            self._rows, self.running = None, []
+            waiting = self.waiting
+            self.reset()
+            self.waiting = waiting
             return
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
         self._target_kv.select(idx)

@@ -16,6 +16,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from .config import MAX_SPECULATIVE_TOKENS, SamplingParams
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False  # a last chunk with no choices and the request's usage
+
+
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -23,12 +29,12 @@ class _Sampling(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
+    top_k: int = Field(0, ge=0, lt=2**31)
     n: int = Field(1, ge=1, le=1)  # one choice per request; ask several times for more
     stream: bool = False
-    stream_options: dict | None = None
+    stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     user: str | None = None
     expert: str | None = None
     num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_SPECULATIVE_TOKENS)
@@ -63,10 +69,13 @@ class ChatRequest(_Sampling):
         return [{"role": m.role, "content": m.content} for m in self.messages]
 
 
-def render_chat(messages: list[dict], tokenizer) -> str:
-    """A conversation as one prompt: the tokenizer's chat template when it has one, else plain turns."""
+def render_chat(messages: list[dict], tokenizer) -> str | list[int]:
+    """A conversation as one prompt: the tokenizer's chat template when it has one (as token ids), else
+    plain turns (as text). Templates write their own BOS ({{ bos_token }} in Llama-3's, Mistral's,
+    Gemma's), so their text is encoded without the special tokens encode() would add: a second BOS."""
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer.encode(text, add_special_tokens=False)
     return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
 
 
@@ -78,7 +87,7 @@ class RequestError(ValueError):
         self.param, self.status = param, status
 
     def body(self) -> dict:
-        kind = "invalid_request_error" if self.status == 400 else "authentication_error" if self.status == 401 else "error"
+        kind = {401: "authentication_error", 500: "server_error"}.get(self.status, "invalid_request_error")
         return {"error": {"message": str(self), "type": kind, "param": self.param, "code": None}}
 
 
@@ -87,14 +96,32 @@ def parse_request(raw: bytes, model: type[BaseModel]) -> BaseModel:
         data = json.loads(raw or b"null")
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise RequestError(f"body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise RequestError("body is not valid JSON: nested too deeply") from None
     if not isinstance(data, dict):
         raise RequestError("body must be a JSON object")
     try:
-        return model.model_validate(data)
+        req = model.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        param = ".".join(str(p) for p in err["loc"]) or None
-        raise RequestError(f"{param}: {err['msg']}" if param else err["msg"], param) from None
+        raise validation_error(e.errors()) from None
+    if req.stream_options is not None and not req.stream:
+        raise RequestError("stream_options: only allowed when stream is true", "stream_options")
+    return req
+
+
+def validation_error(errors: list[dict]) -> RequestError:
+    """pydantic's first error as a 400 naming the field. A value that fits no member of a union
+    (prompt, stop) gets one error per member, located as prompt.str, prompt.list[int]...: name the
+    field and list what it may be instead."""
+    err = errors[0]
+    names = set(_FIELD_NAMES)
+    extra = err["type"] == "extra_forbidden"  # its last part is the unknown field the client sent
+    loc = [p for i, p in enumerate(err["loc"]) if isinstance(p, int) or p in names or (extra and i == len(err["loc"]) - 1)]
+    param = ".".join(map(str, loc)) or None
+    members = [e["loc"][len(loc)] for e in errors if list(e["loc"][: len(loc)]) == loc and len(e["loc"]) > len(loc)]
+    if param and len(members) > 1 and len(loc) < len(err["loc"]):
+        return RequestError(f"{param}: must be one of {', '.join(dict.fromkeys(map(str, members)))}", param)
+    return RequestError(f"{param}: {err['msg']}" if param else err["msg"], param)
 
 
 _FIELDS = ("prompt", "max_tokens", "temperature", "top_k", "top_p", "stop", "seed", "num_speculative_tokens", "expert")
@@ -105,6 +132,9 @@ def engine_error(e: ValueError) -> RequestError:
     msg = str(e)
     param = next((f for f in _FIELDS if msg.startswith(f)), None)
     return RequestError(msg, param)
+
+
+_FIELD_NAMES = {n for m in (CompletionRequest, ChatRequest, ChatMessage, StreamOptions) for n in m.model_fields}
 
 
 def completion_body(rid: str, model: str, text: str, finish: str | None, usage: dict, chat: bool) -> dict:
@@ -124,6 +154,12 @@ def chunk_body(rid: str, model: str, text: str, finish: str | None, chat: bool, 
         return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model, "choices": [choice]}
     choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model, "choices": [choice]}
+
+
+def usage_chunk(rid: str, model: str, usage: dict, chat: bool) -> dict:
+    """The last chunk of a stream with stream_options.include_usage: no choices, the usage."""
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    return {"id": rid, "object": kind, "created": int(time.time()), "model": model, "choices": [], "usage": usage}
 
 
 def sse(obj: dict | str) -> str:

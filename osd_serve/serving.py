@@ -70,7 +70,13 @@ class AsyncSpecServer:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._inbox.put(_Add(expert, prompt, params, rid, lambda d: loop.call_soon_threadsafe(q.put_nowait, d), fut))
         self._wake.set()
-        await asyncio.wrap_future(fut)  # re-raises add_request's ValueError here
+        try:  # re-raises add_request's ValueError here
+            # Shielded: cancelling this wait (a client gone while queued) must not cancel the future the
+            # loop thread will complete; the abort below follows the add through the inbox instead.
+            await asyncio.shield(asyncio.wrap_future(fut))
+        except asyncio.CancelledError:
+            self.abort(rid)
+            raise
         finished = False
         try:
             while not finished:
@@ -103,10 +109,15 @@ class AsyncSpecServer:
                 if expert is not None:
                     self.engines[expert].abort(item[1])
                 continue
+            if not item.future.set_running_or_notify_cancel():
+                continue
             try:
                 self.engines[item.expert].add_request(item.prompt, item.params, request_id=item.request_id, expert=item.expert)
             except (ValueError, TypeError) as e:
                 item.future.set_exception(ValueError(str(e)))
+                continue
+            except Exception as e:  # noqa: BLE001  the caller gets the error; the loop must go on
+                item.future.set_exception(e)
                 continue
             self._sinks[item.request_id] = item.sink
             self._owner[item.request_id] = item.expert
@@ -114,39 +125,45 @@ class AsyncSpecServer:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            self._drain_inbox()
-            busy = [(n, e) for n, e in self.engines.items() if e.has_unfinished()]
-            if not busy:
-                self._wake.wait(timeout=0.5)
-                self._wake.clear()
+            try:
+                self._iterate()
+            except Exception:  # noqa: BLE001  if this thread died, every caller would wait forever
+                logging.getLogger(__name__).exception("engine loop iteration failed")
+
+    def _iterate(self) -> None:
+        self._drain_inbox()
+        busy = [(n, e) for n, e in self.engines.items() if e.has_unfinished()]
+        if not busy:
+            self._wake.wait(timeout=0.5)
+            self._wake.clear()
+            return
+        for name, eng in busy:
+            try:
+                deltas, stats = eng.step()
+            except Exception as e:  # noqa: BLE001  a failed step must end its requests, never hang them
+                self._fail(name, eng, e)
                 continue
-            for name, eng in busy:
+            for d in deltas:
+                sink = self._sinks.get(d.request_id)
+                if sink is not None and (d.token_ids or d.text or d.finished):
+                    sink(d)
+                if d.finished:
+                    self._sinks.pop(d.request_id, None)
+                    self._owner.pop(d.request_id, None)
+            if stats is not None and self.on_step is not None:
                 try:
-                    deltas, stats = eng.step()
-                except Exception as e:  # noqa: BLE001  a failed step must end its requests, never hang them
-                    self._fail(name, eng, e)
-                    continue
-                for d in deltas:
-                    sink = self._sinks.get(d.request_id)
-                    if sink is not None and (d.token_ids or d.text or d.finished):
-                        sink(d)
-                    if d.finished:
-                        self._sinks.pop(d.request_id, None)
-                        self._owner.pop(d.request_id, None)
-                if stats is not None and self.on_step is not None:
-                    try:
-                        self.on_step(name, stats)
-                    except Exception:  # noqa: BLE001  metrics must never stop serving
-                        logging.getLogger(__name__).exception("on_step callback failed")
+                    self.on_step(name, stats)
+                except Exception:  # noqa: BLE001  metrics must never stop serving
+                    logging.getLogger(__name__).exception("on_step callback failed")
 
     def _fail(self, name: str, eng: SpecEngine, err: Exception) -> None:
-        """End every request of a failed engine with finish_reason 'error' and start it afresh."""
+        """End every request of a failed engine with finish_reason 'error' and reset it in place.
+        Every request the server gave it, not only those in its queues: a step that failed while
+        admitting had already taken some out of ``waiting``."""
         logging.getLogger(__name__).exception("engine step failed for expert %s", name, exc_info=err)
-        for r in itertools.chain(eng.waiting, eng.running):
-            sink = self._sinks.pop(r.request_id, None)
-            self._owner.pop(r.request_id, None)
+        eng.reset()  # first: a caller told of the failure finds the engine ready again
+        for rid in [rid for rid, expert in self._owner.items() if expert == name]:
+            del self._owner[rid]
+            sink = self._sinks.pop(rid, None)
             if sink is not None:
-                sink(StreamDelta(r.request_id, "", [], True, "error"))
-        fresh = SpecEngine(self.target, eng.draft, self.tokenizer, self.config, eng.recorder)
-        fresh.draft_version = eng.draft_version
-        self.engines = {**self.engines, name: fresh}
+                sink(StreamDelta(rid, "", [], True, "error"))

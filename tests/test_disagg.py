@@ -332,3 +332,35 @@ def test_the_verifier_stops_counting_a_sequence_whose_release_never_came(monkeyp
     assert v.live == {"b": ("sql", 500.0)}
     forget(v, 1101.0)
     assert v.live == {}
+
+
+def test_the_router_sets_up_once_off_its_event_loop(monkeypatch):
+    """The first request loads the tokenizer, and on a node without the default pair builds it
+    (minutes): in a thread, once, while the event loop keeps answering (/health included)."""
+    pytest.importorskip("ray.serve")
+    import time
+    from types import SimpleNamespace
+
+    import deployments.disagg as dd
+    from deployments.config import AppConfig
+
+    loads = []
+    monkeypatch.setattr(dd.DisaggBackend, "_load", lambda self: (loads.append(1), time.sleep(0.5)))
+    monkeypatch.setattr(dd.serve, "get_replica_context", lambda: SimpleNamespace(app_name="app"))
+    monkeypatch.setattr(dd.serve, "get_deployment_handle", lambda name, app: (name, app))
+    backend = dd.DisaggBackend(AppConfig())
+
+    async def run():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while not backend._ready:
+                ticks += 1
+                await asyncio.sleep(0.01)
+
+        await asyncio.gather(backend._ensure_ready(), backend._ensure_ready(), ticker())
+        return ticks
+
+    assert asyncio.run(run()) > 10 and loads == [1]
+    assert backend.drafts == ("DraftPool", "app") and backend.verifier == ("Verifier", "app")

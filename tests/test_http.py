@@ -66,6 +66,11 @@ def test_completions_and_streaming_equal_target_greedy(client, service, tok):
         chunks = [json.loads(e) for e in events[:-1]]
         assert "".join(c["choices"][0]["text"] for c in chunks) == want
         assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+        with client.stream("POST", "/v1/completions", headers=AUTH, json={
+                "prompt": p, "max_tokens": 12, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}) as s:
+            events = [json.loads(ln[6:]) for ln in s.iter_lines() if ln.startswith("data: ") and ln != "data: [DONE]"]
+        assert events[-1]["choices"] == [] and events[-1]["usage"] == body["usage"]
+        assert "".join(c["choices"][0]["text"] for c in events[:-1]) == want
     r = client.post("/v1/chat/completions", headers=AUTH,
                     json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0})
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
@@ -89,6 +94,12 @@ def test_router_picks_experts_and_explicit_expert_wins(client):
     ({"prompt": "x", "expert": "nope"}, "expert"),
     ({"max_tokens": 3}, "prompt"),
     ({"prompt": "x", "stop": [""]}, "stop"),
+    ({"prompt": "x", "stop": 5}, "stop"),
+    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": "x", "seed": 2**64}, "seed"),
+    ({"prompt": "x", "top_k": 2**63}, "top_k"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),  # without stream
+    ({"prompt": "x", "stream": True, "stream_options": {"usage": True}}, "stream_options.usage"),
 ])
 def test_bad_input_is_a_400_naming_the_field(client, body, param):
     r = client.post("/v1/completions", headers=AUTH, json=body)
@@ -101,6 +112,8 @@ def test_bad_input_is_a_400_naming_the_field(client, body, param):
 def test_invalid_json_and_auth(client):
     r = client.post("/v1/completions", headers=AUTH | {"content-type": "application/json"}, content=b"{not json")
     assert r.status_code == 400
+    r = client.post("/v1/completions", headers=AUTH, content=b"[" * 100_000)  # json.loads: RecursionError
+    assert r.status_code == 400 and "nested" in r.json()["error"]["message"]
     assert client.post("/v1/completions", json={"prompt": "x"}).status_code == 401
     assert client.post("/v1/completions", headers={"Authorization": "Bearer wrong"}, json={"prompt": "x"}).status_code == 401
     assert client.get("/v1/models").status_code == 401
@@ -141,6 +154,8 @@ def test_admin_update_and_rollback(client):
     r = client.post(f"/admin/experts/default/rollback?to={oldest}", headers=adm)
     assert r.status_code == 200 and r.json()["serving_version"] == oldest
     assert client.post("/admin/experts/default/rollback?to=99", headers=adm).status_code == 400
+    r = client.post("/admin/experts/default/rollback?to=abc", headers=adm)  # FastAPI's own check: still OpenAI's shape
+    assert r.status_code == 400 and r.json()["error"]["param"] == "to"
     assert client.post("/admin/experts/nope/update", headers=adm).status_code == 404
 
 
@@ -190,3 +205,24 @@ def test_config_errors_name_the_field():
     yaml = pytest.importorskip("yaml")
     for path in ("serve_config.yaml", "serve_config.disaggregated.yaml"):  # the shipped configs validate
         parse_config(yaml.safe_load((Path(__file__).resolve().parents[1] / path).read_text())["applications"][0]["args"])
+
+
+def test_a_chat_template_that_writes_bos_gets_one_bos():
+    """Llama-3's, Mistral's and Gemma's templates start with {{ bos_token }}; encoding their text with
+    the tokenizer's special tokens would add a second one."""
+    import string
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    from osd_serve.protocol import render_chat
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, "<bos>": 3} | {c: i + 4 for i, c in enumerate(string.ascii_letters + " :\n")}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer, tk.decoder = pre_tokenizers.Split("", behavior="isolated"), decoders.Fuse()
+    tk.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 3)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
+    assert tok.encode("hi")[0] == 3  # encode() adds BOS
+    tok.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    ids = render_chat([{"role": "user", "content": "hi"}], tok)
+    assert ids.count(3) == 1 and ids[0] == 3 and tok.decode(ids, skip_special_tokens=True) == "user: hi\nassistant:"

@@ -1,0 +1,131 @@
+"""The asyncio front of the engine (osd_serve/serving.py) under failure: a client gone while its request
+is queued, and an engine step that raises, end what they must and leave the server serving."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+
+from deployments.api import make_app
+from deployments.config import AppConfig
+from osd_serve.config import SamplingParams
+from osd_serve.service import SpecService
+from tests.conftest import llama, perturbed
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def service(tok):
+    target = llama(len(tok), seed=3)
+    cfg = AppConfig(num_speculative_tokens=3, distill={"enabled": False}, wandb={"mode": "disabled"}, api_key="sk")
+    svc = SpecService(cfg, models=(target, perturbed(target, 0.05), tok))
+    yield svc, cfg
+    svc.close()
+
+
+async def _run(svc, prompt, params=GREEDY, timeout=30.0):
+    async def consume():
+        return [d async for d in svc.stream("default", prompt, params)]
+    return await asyncio.wait_for(consume(), timeout)  # a hang fails here, not the whole suite
+
+
+def _held_step(eng):
+    """Make the engine's next step wait for a gate, so a test can act while the loop thread is busy."""
+    gate, entered, step = threading.Event(), threading.Event(), eng.step
+
+    def held():
+        entered.set()
+        gate.wait(10)
+        del eng.step  # back to the class's method
+        return step()
+
+    eng.step = held
+    return gate, entered
+
+
+def test_a_request_cancelled_while_queued_leaves_the_loop_serving(service):
+    """Cancelling the wait for admission used to cancel the future the loop thread then completed:
+    InvalidStateError killed the loop thread, and every request after it hung."""
+    svc, _ = service
+    eng = svc.server.engines["default"]
+
+    async def scenario():
+        gate, entered = _held_step(eng)
+        busy = asyncio.create_task(_run(svc, "def g(", SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)))
+        assert await asyncio.to_thread(entered.wait, 10)  # the loop thread is now inside busy's first step
+        gone = asyncio.create_task(_run(svc, "x = "))
+        for _ in range(3):
+            await asyncio.sleep(0)  # it is now awaiting admission, which the held loop cannot give
+        gone.cancel()
+        await asyncio.gather(gone, return_exceptions=True)
+        gate.set()
+        await busy
+        return await _run(svc, "import os")
+
+    out = asyncio.run(scenario())
+    assert out[-1]["finish_reason"] in ("stop", "length")
+    _settled(svc)
+    assert svc.server._thread.is_alive() and not eng.running and not eng.waiting
+
+
+def _settled(svc, timeout=5.0):
+    """The loop thread forgets a request just after sending its last delta: wait for that."""
+    deadline = time.monotonic() + timeout
+    while (svc.server._sinks or svc.server._owner) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not svc.server._sinks and not svc.server._owner
+
+
+def test_a_failed_step_ends_every_request_and_the_engine_serves_on(service, monkeypatch):
+    """A step that raises while admitting (an OOM in prefill, say) had already taken its requests out
+    of the queue: they must end too, not hang. The engine is reset in place, since distillers and
+    version watchers hold it."""
+    svc, _ = service
+    eng = svc.server.engines["default"]
+    admit = type(eng)._admit
+    calls = {"n": 0}
+
+    def failing_admit(self):
+        calls["n"] += 1
+        if calls["n"] == 1 and self.waiting:
+            self.waiting.popleft()  # taken out of the queue, then the failure
+            raise RuntimeError("simulated failure while admitting")
+        return admit(self)
+
+    monkeypatch.setattr(type(eng), "_admit", failing_admit)
+
+    async def scenario():
+        return await asyncio.gather(_run(svc, "a = 1"), _run(svc, "b = 2"))
+
+    ends = [out[-1]["finish_reason"] for out in asyncio.run(scenario())]
+    # The one taken out ends with an error instead of hanging (the other, if it was queued in time
+    # behind it, too); none hangs.
+    assert "error" in ends and set(ends) <= {"error", "stop", "length"}, ends
+    _settled(svc)
+    assert svc.server.engines["default"] is eng and not eng.running and not eng.waiting
+    assert asyncio.run(_run(svc, "c = 3"))[-1]["finish_reason"] in ("stop", "length")
+
+
+def test_http_reports_a_failed_engine_as_a_500_or_a_stream_error(service, monkeypatch):
+    svc, cfg = service
+    eng = svc.server.engines["default"]
+
+    def broken(self):
+        raise RuntimeError("simulated step failure")
+
+    client = TestClient(make_app(svc, cfg))
+    auth = {"Authorization": "Bearer sk"}
+    monkeypatch.setattr(type(eng), "step", broken)
+    r = client.post("/v1/completions", headers=auth, json={"prompt": "x", "max_tokens": 4})
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    with client.stream("POST", "/v1/completions", headers=auth, json={"prompt": "x", "max_tokens": 4, "stream": True}) as s:
+        events = [ln[6:] for ln in s.iter_lines() if ln.startswith("data: ")]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["type"] == "server_error"
+    monkeypatch.undo()
+    assert client.post("/v1/completions", headers=auth, json={"prompt": "x", "max_tokens": 4}).status_code == 200
