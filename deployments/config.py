@@ -23,6 +23,13 @@ class ExpertConfig(_Strict):
     keywords: list[str] = []
     adapter: str | None = None  # a peft LoRA directory (adapter_model.safetensors) on the base draft
 
+    @field_validator("name")
+    @classmethod
+    def _not_a_relative_dir(cls, v: str) -> str:  # the name is a directory under versions_dir
+        if set(v) == {"."}:
+            raise ValueError("must not be only dots (it names a directory under versions_dir)")
+        return v
+
 
 class DistillConfig(_Strict):
     enabled: bool = True

@@ -194,9 +194,10 @@ class Verifier(_Batched):
         self.telemetry.maybe_log(force=True)  # closes the window, as in SpecService.admin_metrics
         return {"history": self.telemetry.history[-500:], "recomputed_tokens": self.recomputed}
 
-    def running(self) -> dict:
+    async def running(self) -> dict:
         """Per expert: sequences holding a KV cache on this replica, and the draft version serving it
-        (that of the latest proposal verified here; None before any)."""
+        (that of the latest proposal verified here; None before any). Async, so it runs on the event
+        loop like verify(), which changes what it reads: a plain method runs in Ray's thread pool."""
         self._forget_idle(time.monotonic())
         out = {e: {"running": 0, "serving_version": v} for e, v in self.versions.items()}
         for e, _ in self.live.values():

@@ -13,9 +13,11 @@ triggers and FIFO/reservoir eviction are the core ReplayBuffer's, applied to the
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -132,34 +134,43 @@ def run_train_job(plan: dict, record_refs: list, draft_path: str, state_path: st
                            "train": train_cfg, "steps": steps, "use_gpu": plan["use_gpu"]},
         scaling_config=ScalingConfig(num_workers=plan["num_workers"], use_gpu=plan["use_gpu"],
                                      resources_per_worker=None if plan["use_gpu"] else {"CPU": plan["cpus_per_worker"]}),
-        run_config=RunConfig(storage_path=storage, name=f"distill-{time.time_ns()}"),
+        run_config=RunConfig(storage_path=storage, name=(name := f"distill-{time.time_ns()}")),
     )
-    result = trainer.fit()
-    with result.checkpoint.as_directory() as d:
-        return load_file(str(Path(d) / "draft.safetensors"))
+    try:
+        result = trainer.fit()
+        with result.checkpoint.as_directory() as d:
+            return load_file(str(Path(d) / "draft.safetensors"))
+    finally:  # the state is returned (and published through the store) or the job failed: a full draft per run otherwise
+        shutil.rmtree(Path(storage) / name, ignore_errors=True)
 
 
 @ray.remote(num_cpus=0)
 class DistillController:
     """Watches the buffer's triggers and the spare capacity; trains, guards and publishes."""
 
+    HEARTBEAT_TTL_S = 30.0  # a replica silent this long is gone (scaled down, dead): its load no longer counts
+    MAX_EVENTS = 1000
+
     def __init__(self, draft_path: str, versions_dir: str, train_cfg: dict, steps: int, max_workers: int = 4,
-                 heldout: int = 16, poll_s: float = 1.0):
+                 heldout: int = 16, poll_s: float = 1.0, keep_versions: int = 5):
         self.draft_path, self.versions_dir = draft_path, Path(os.path.expanduser(versions_dir))
         self.train_cfg, self.steps, self.max_workers, self.heldout = train_cfg, steps, max_workers, heldout
+        self.keep_versions = keep_versions
         self.buffer = ray.get_actor(BUFFER_NAME, namespace=NAMESPACE)
-        self.load: dict[str, tuple[float, float]] = {}  # replica -> (ongoing, capacity), from heartbeats
-        self.events: list[dict] = []
+        self.load: dict[str, tuple[float, float, float]] = {}  # replica -> (ongoing, capacity, time), from heartbeats
+        self.events: collections.deque[dict] = collections.deque(maxlen=self.MAX_EVENTS)
         self.state = "idle"
         self._stop = threading.Event()
         threading.Thread(target=self._loop, args=(poll_s,), daemon=True).start()
 
     def heartbeat(self, replica: str, ongoing: float, capacity: float) -> None:
-        self.load[replica] = (ongoing, capacity)
+        self.load[replica] = (ongoing, capacity, time.monotonic())
 
     def serve_load(self) -> float:
-        cap = sum(c for _, c in self.load.values())
-        return sum(o for o, _ in self.load.values()) / cap if cap else 0.0
+        now = time.monotonic()
+        live = [(o, c) for o, c, t in list(self.load.values()) if now - t < self.HEARTBEAT_TTL_S]  # list(): a snapshot
+        cap = sum(c for _, c in live)
+        return sum(o for o, _ in live) / cap if cap else 0.0
 
     def history(self) -> list[dict]:
         return list(self.events)
@@ -175,10 +186,13 @@ class DistillController:
                     if plan is None:
                         continue  # no spare capacity: the trigger stays due, retried next poll
                     self.state = f"training {expert} on {plan}"
-                    self.events.append(self._update(expert, why, plan))
-                    self.state = "idle"
+                    try:
+                        self.events.append(self._update(expert, why, plan))
+                    finally:
+                        self.state = "idle"
             except Exception as e:  # noqa: BLE001  the controller outlives one failed job
                 self.events.append({"error": repr(e), "time": time.time()})
+                logger.warning("distill controller: %r", e)
             self._stop.wait(poll_s)
 
     def _update(self, expert: str, why: str, plan: dict) -> dict:
@@ -191,7 +205,10 @@ class DistillController:
         n_held = min(self.heldout, max(2, len(refs) // 4))
         if len(refs) <= n_held:
             return {"expert": expert, "skipped": "too few records", "time": t0}
-        store = VersionStore(self.versions_dir / expert)
+        store = VersionStore(self.versions_dir / expert, self.keep_versions)
+        # At most one worker per training record: a worker with none would skip the gradient
+        # all-reduce the others wait in (a deadlock until the collective times out).
+        plan = {**plan, "num_workers": min(plan["num_workers"], len(refs) - n_held)}
         serving = AutoModelForCausalLM.from_pretrained(self.draft_path)
         if store.refresh() is None:
             store.publish({n: t.clone() for n, t in serving.state_dict().items()}, {"reason": "initial draft"})
@@ -225,7 +242,8 @@ def connect(cfg) -> tuple:
         {"max_bytes": d.buffer_mb << 20, "trigger_records": d.trigger_records, "trigger_age_s": d.trigger_age_s})
     train = {"mode": d.mode, "lr": d.lr, "steps_per_update": d.steps_per_update}
     controller = DistillController.options(name=CONTROLLER_NAME, **opts).remote(
-        model_paths(cfg)[1], d.versions_dir, train, d.steps_per_update, d.max_train_workers)
+        model_paths(cfg)[1], d.versions_dir, train, d.steps_per_update, d.max_train_workers,
+        keep_versions=d.keep_versions)
     return buffer, controller
 
 

@@ -160,7 +160,9 @@ class DraftWorker:
         self.device = next(draft.parameters()).device
         self.max_seqs = max_seqs
         self.caches = SeqCaches(draft, self.device, max_seqs)
-        self._ahead: dict[str, tuple[list[int], Proposal]] = {}  # seq id -> (history it assumes, proposal)
+        # seq id -> (history it assumes, proposal), least recently drafted first. Bounded like the caches:
+        # with several replicas a sequence's next step or release may go to another one, leaving it here.
+        self._ahead: OrderedDict[str, tuple[list[int], Proposal]] = OrderedDict()
         self._last: tuple[list[ProposeItem], list[Proposal]] | None = None
         self.hits = self.misses = 0
 
@@ -174,7 +176,7 @@ class DraftWorker:
         self.draft.load_state_dict(state, strict=False)
         self.version = version
         self.caches = SeqCaches(self.draft, self.device, self.max_seqs)
-        self._ahead, self._last = {}, None
+        self._ahead, self._last = OrderedDict(), None
 
     def propose(self, items: list[ProposeItem]) -> list[Proposal]:
         out: list[Proposal | None] = [None] * len(items)
@@ -214,6 +216,9 @@ class DraftWorker:
         for it, h, p in zip(items, histories, self._draft(items, histories, [n + 1 for n in nexts], _AHEAD)):
             probs = p.probs[1:] if p.probs is not None else None
             self._ahead[it.seq_id] = (h + p.tokens[:1], Proposal(p.tokens[1:], probs, p.version))
+            self._ahead.move_to_end(it.seq_id)
+        while len(self._ahead) > self.max_seqs:
+            self._ahead.popitem(last=False)
 
     def _draft(self, items: list[ProposeItem], histories: list[list[int]], ks: list[int], stream: int) -> list[Proposal]:
         ids = [it.seq_id for it in items]

@@ -364,3 +364,14 @@ def test_the_router_sets_up_once_off_its_event_loop(monkeypatch):
 
     assert asyncio.run(run()) > 10 and loads == [1]
     assert backend.drafts == ("DraftPool", "app") and backend.verifier == ("Verifier", "app")
+
+
+def test_drafted_ahead_proposals_are_bounded(tok):
+    """With several draft replicas a sequence's next step (or release) can land on another replica,
+    so what this one drafted ahead for it is never taken: bounded like the caches, oldest out."""
+    target = llama(len(tok), seed=3)
+    worker = DraftWorker(target, len(tok), max_seqs=2)
+    for i, p in enumerate(_prompts(len(tok), n=5, seed=2)):
+        worker.propose([disagg.ProposeItem(f"s{i}", p, 2, disagg.Sampling())])
+        worker.draft_ahead()
+    assert list(worker._ahead) == ["s3", "s4"]

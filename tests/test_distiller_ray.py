@@ -107,3 +107,5 @@ def test_controller_trains_guards_and_publishes(cluster, gpus_busy, data, tmp_pa
     # the Train job (2 CPU workers, gradients all-reduced) raised held-out alpha-hat over the serving draft
     assert store.refresh() == 1 and ev["candidate"]["expected_acceptance"] > ev["serving"]["expected_acceptance"] + 0.02
     assert torch.is_tensor(next(iter(store.load(1).values())))
+    runs = tmp_path / "versions" / "ray_train"  # each run's checkpoint is a full draft: removed once loaded
+    assert not runs.exists() or not any(p.name.startswith("distill-") for p in runs.iterdir())

@@ -201,6 +201,8 @@ def test_config_errors_name_the_field():
     assert parse_config({"topology": "disaggregated", "distill": {"backend": "ray_train"}}).distill.enabled
     with pytest.raises(ValueError, match="draft_ahead"):
         parse_config({"draft_ahead": "sometimes"})
+    with pytest.raises(ValueError, match="experts.1.name.*only dots"):  # it names a directory under versions_dir
+        parse_config({"experts": [{"name": "default"}, {"name": ".."}]})
     assert parse_config({"draft_ahead": False}).draft_ahead is False and parse_config({}).draft_ahead == "auto"
     yaml = pytest.importorskip("yaml")
     for path in ("serve_config.yaml", "serve_config.disaggregated.yaml"):  # the shipped configs validate
