@@ -212,9 +212,9 @@ def _cache_name(data_files: list[str] | None, preset: str, cfg: PairConfig) -> s
         return "default-pair" if preset == "default" else f"{preset}-pair"
     h = hashlib.sha256(json.dumps({"version": BUILD_VERSION, "config": asdict(cfg)}, sort_keys=True).encode())
     for p in data_files:
-        # Path and size (not content) keep the key cheap for multi-GB files; a same-size edit
-        # needs force=True.
-        h.update(f"{os.path.abspath(p)}\0{os.path.getsize(p)}\0".encode())
+        # Path, size and modification time (not content) keep the key cheap for multi-GB files.
+        st = os.stat(p)
+        h.update(f"{os.path.abspath(p)}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
     return f"pair-{h.hexdigest()[:12]}"
 
 
@@ -275,7 +275,7 @@ def build_pair(data_files: list[str] | None = None, out_root: str | None = None,
     data_files = [str(p) for p in data_files] if data_files else None
     for p in data_files or []:
         if not os.path.isfile(p):
-            raise FileNotFoundError(f"data file not found: {p}")
+            raise FileNotFoundError(f"data file not found (or not a regular file): {p}")
     root = Path(out_root) if out_root else _default_root()
     final = root / _cache_name(data_files, preset, cfg)
     if not force and _is_complete(final, cfg):
@@ -293,14 +293,19 @@ def build_pair(data_files: list[str] | None = None, out_root: str | None = None,
         (tmp / "build.json").write_text(json.dumps(info, indent=2))
         (tmp / "PID").unlink()
         (tmp / COMPLETE_MARKER).write_text("ok\n")  # last: its presence means everything else is
+        if not force and _is_complete(final, cfg):
+            return _paths(final)  # a concurrent build of the same inputs finished first; as good as ours
+        # Renames only, so a finished build is never half deleted in place: the old one moves aside
+        # (it still carries its marker, but under a .tmp- name nothing looks up), this one moves in.
+        old = root / f".tmp-{final.name}-old-{os.getpid()}-{time.time_ns()}"
         if final.exists():
-            shutil.rmtree(final)
+            os.replace(final, old)
         try:
             os.replace(tmp, final)
         except OSError:
-            # A concurrent build of the same inputs won the rename; its result is as good as ours.
-            if not _is_complete(final, cfg):
+            if not _is_complete(final, cfg):  # another build won the rename in between: keep it
                 raise
+        shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return _paths(final)

@@ -9,6 +9,33 @@ from dataclasses import replace
 from pathlib import Path
 
 
+def _at_least(lo: int):
+    """argparse type: an integer >= lo, or a usage error naming the option."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+        return v
+    parse.__name__ = f"integer >= {lo}"
+    return parse
+
+
+def _batch_sizes(text: str) -> list[int]:
+    sizes = [_at_least(1)(t.strip()) for t in text.split(",") if t.strip()]
+    if not sizes:
+        raise argparse.ArgumentTypeError("expected comma-separated batch sizes, e.g. 1,8")
+    return sizes
+
+
+def _writable(path: str | None) -> None:
+    """Fail before the work, not after it: a run's output must have somewhere to go."""
+    if path and not Path(path).resolve().parent.is_dir():
+        raise SystemExit(f"error: --out {path}: directory {Path(path).resolve().parent} does not exist")
+
+
 def _read_prompts(path: str, field: str = "prompt") -> list[str]:
     prompts = []
     with open(path, encoding="utf-8") as f:
@@ -66,6 +93,7 @@ def cmd_generate(args) -> None:
     from .config import EngineConfig, SamplingParams
     from .engine import SpecEngine
 
+    _writable(args.out)
     prompts = _read_prompts(args.prompts)
     target, draft, tok = _load(args)
     try:
@@ -104,15 +132,16 @@ def cmd_bench(args) -> None:
 
     from .bench import run_bench
 
-    if args.repeats < 1:
-        raise SystemExit(f"error: --repeats must be at least 1, got {args.repeats}")
+    _writable(args.out)
     if args.threads:
         torch.set_num_threads(args.threads)
     target, draft, tok = _load(args)
+    if not args.prompts and not (Path(args.target).parent / "prompts.jsonl").is_file():
+        raise SystemExit("error: --prompts FILE.jsonl is needed: only a bootstrap pair has prompts.jsonl beside it")
     prompts = _read_prompts(args.prompts) if args.prompts else _read_prompts(str(Path(args.target).parent / "prompts.jsonl"))
     prompts = prompts[: args.num_prompts]
     ks = range(1, args.max_k + 1)
-    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    sizes = args.batch_sizes
     report = run_bench(target, draft, tok, prompts, args.max_tokens, sizes, ks, log=lambda s: print(s, file=sys.stderr),
                        repeats=args.repeats)
     report["target"], report["draft"] = args.target, args.draft
@@ -136,8 +165,12 @@ def cmd_replay(args) -> None:
         torch.set_num_threads(args.threads)
     try:
         fields = args.field.split(",") if args.field else None
-        template = args.template.encode().decode("unicode_escape") if args.template else None
-        stream = load_stream(args.data, fields, template, args.order, args.seed, args.max_requests)
+        # Backslash escapes (\n) are interpreted; other non-ASCII text passes through unchanged.
+        template = args.template.encode("latin-1", "backslashreplace").decode("unicode_escape") if args.template else None
+        try:
+            stream = load_stream(args.data, fields, template, args.order, args.seed, args.max_requests)
+        except (IndexError, KeyError, AttributeError) as e:  # str.format of a bad template
+            raise SystemExit(f"error: --template {args.template!r} does not fit the records: {e!r}") from None
         params = SamplingParams(max_tokens=args.max_tokens, num_speculative_tokens=args.num_speculative_tokens)
         params.validate()
         train = TrainConfig(mode=args.mode, lr=args.lr, steps_per_update=args.steps_per_update, batch_size=args.train_batch,
@@ -166,10 +199,10 @@ def _replay_args(r: argparse.ArgumentParser) -> None:
     r.add_argument("--order", choices=["sequential", "shuffle"], default="sequential",
                    help="sequential: files one after another (a distribution shift); shuffle: mixed")
     r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--max-requests", type=int, default=None, help="total; sequential order gives each file an equal share")
-    r.add_argument("--max-tokens", type=int, default=64)
+    r.add_argument("--max-requests", type=_at_least(1), default=None, help="total; sequential order gives each file an equal share")
+    r.add_argument("--max-tokens", type=_at_least(1), default=64)
     r.add_argument("--num-speculative-tokens", type=int, default=4)
-    r.add_argument("--batch-size", type=int, default=8)
+    r.add_argument("--batch-size", type=_at_least(1), default=8)
     r.add_argument("--trigger-records", type=int, default=8, help="update after this many new records (the paper's I)...")
     r.add_argument("--trigger-age-s", type=float, default=30.0, help="...or when the oldest new record is this old")
     r.add_argument("--buffer-mb", type=int, default=256)
@@ -184,9 +217,9 @@ def _replay_args(r: argparse.ArgumentParser) -> None:
     r.add_argument("--train-batch", type=int, default=8)
     r.add_argument("--chunk-size", type=int, default=0, help="> 0: forward KL through the chunked/fused kernel path")
     r.add_argument("--guard-tolerance", type=float, default=0.0)
-    r.add_argument("--offline-epochs", type=int, default=4)
+    r.add_argument("--offline-epochs", type=_at_least(1), default=4)
     r.add_argument("--online-only", action="store_true", help="skip the static and offline baselines")
-    r.add_argument("--threads", type=int, default=0)
+    r.add_argument("--threads", type=_at_least(0), default=0)
     r.add_argument("--out", required=True, metavar="DIR")
 
 
@@ -204,25 +237,25 @@ def main(argv: list[str] | None = None) -> None:
     g = sub.add_parser("generate", help="generate completions for a jsonl file of {\"prompt\": ...}")
     _pair_args(g)
     g.add_argument("--prompts", required=True, metavar="FILE.jsonl")
-    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--max-tokens", type=_at_least(1), default=64)
     g.add_argument("--num-speculative-tokens", type=int, default=4)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None, help="seed of the first prompt; prompt i uses seed+i")
-    g.add_argument("--batch-size", type=int, default=8)
+    g.add_argument("--batch-size", type=_at_least(1), default=8)
     g.add_argument("--out", metavar="FILE.jsonl")
     g.set_defaults(fn=cmd_generate)
 
     n = sub.add_parser("bench", help="tokens/s against the target alone and HF assisted generation")
     _pair_args(n)
     n.add_argument("--prompts", metavar="FILE.jsonl", help="default: prompts.jsonl beside the pair")
-    n.add_argument("--num-prompts", type=int, default=16)
-    n.add_argument("--max-tokens", type=int, default=64)
-    n.add_argument("--batch-sizes", default="1,8")
-    n.add_argument("--max-k", type=int, default=8)
-    n.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
-    n.add_argument("--repeats", type=int, default=1, help="time each decoder this many times, interleaved; keep the median")
+    n.add_argument("--num-prompts", type=_at_least(1), default=16)
+    n.add_argument("--max-tokens", type=_at_least(1), default=64)
+    n.add_argument("--batch-sizes", type=_batch_sizes, default=[1, 8], help="comma-separated, e.g. 1,8")
+    n.add_argument("--max-k", type=_at_least(1), default=8)
+    n.add_argument("--threads", type=_at_least(0), default=0, help="torch threads (default: torch's choice)")
+    n.add_argument("--repeats", type=_at_least(1), default=1, help="time each decoder this many times, interleaved; keep the median")
     n.add_argument("--out", metavar="FILE.json")
     n.set_defaults(fn=cmd_bench)
 
@@ -231,7 +264,10 @@ def main(argv: list[str] | None = None) -> None:
     r.set_defaults(fn=cmd_replay)
 
     args = ap.parse_args(argv)
-    args.fn(args)
+    try:
+        args.fn(args)
+    except (ValueError, OSError) as e:  # bad input files and values: one line naming them, not a traceback
+        raise SystemExit(f"error: {e}") from None
 
 
 if __name__ == "__main__":

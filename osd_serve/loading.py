@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +29,10 @@ class ModelConfig:
             raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.attn_implementation not in ("auto", "flash_attention_2", "sdpa", "eager"):
             raise ValueError(f"attn_implementation must be auto, flash_attention_2, sdpa or eager, got {self.attn_implementation!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", self.device):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r}: CUDA is not available on this machine (torch {torch.__version__})")
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

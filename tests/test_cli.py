@@ -137,3 +137,26 @@ def test_analytic_speedup_formula():
     assert analytic_speedup(0.5, 3, 0.1) == pytest.approx(expected_tokens / 1.3)
     assert analytic_speedup(0.5, 3, 0.1, verify_cost=2.0) == pytest.approx(expected_tokens / 2.3)
     assert analytic_speedup(1.0, 3, 0.1) == pytest.approx(4 / 1.3)
+
+
+def test_bad_options_and_paths_are_one_line_errors(tmp_path, capsys):
+    """Checked before any work, named, and never a traceback (in-process: no model is loaded)."""
+    from osd_serve.cli import main
+
+    good = tmp_path / "p.jsonl"
+    good.write_text('{"prompt": "x"}\n')
+    pair = ["--target", str(tmp_path), "--draft", str(tmp_path)]
+    cases = [
+        (["bench", "--max-k", "0"], "--max-k: must be >= 1"),
+        (["bench", "--batch-sizes", "1,x"], "--batch-sizes: expected an integer"),
+        (["generate", "--prompts", str(good), "--max-tokens", "-1"], "--max-tokens: must be >= 1"),
+        (["generate", "--prompts", str(good), "--out", str(tmp_path / "no" / "o.jsonl")], "does not exist"),
+        (["generate", "--prompts", str(tmp_path / "missing.jsonl")], "No such file"),
+        (["generate", "--prompts", str(good), "--device", "bogus", *pair], "device must be auto, cpu, cuda or cuda:N"),
+        (["bootstrap", "--data", str(tmp_path)], "not a regular file"),
+    ]
+    for argv, msg in cases:
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err + str(e.value.code)
+        assert e.value.code != 0 and msg in err and "Traceback" not in err, (argv, err)
