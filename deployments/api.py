@@ -22,8 +22,10 @@ from osd_serve.protocol import (ChatRequest, CompletionRequest, RequestError, ch
 
 from .config import AppConfig
 
-# A step of the engine serving the request raised (logged there); its requests end, the server goes on.
-ENGINE_FAILED = RequestError("the engine failed while generating this request; it was ended, retry it", None, 500)
+
+def engine_failed() -> RequestError:
+    """A step of the engine serving the request raised (logged there); its requests end, the server goes on."""
+    return RequestError("the engine failed while generating this request; it was ended, retry it", None, 500)
 
 
 def classify(prompt: str, cfg: AppConfig) -> str:
@@ -112,7 +114,7 @@ def make_app(backend, cfg: AppConfig) -> FastAPI:
                 async for d in _chain(first, it):
                     n_tok += len(d["token_ids"])
                     if d["finish_reason"] == "error":  # headers are sent: the error goes in the stream
-                        yield sse(ENGINE_FAILED.body())
+                        yield sse(engine_failed().body())
                         break
                     if d["text"] or d["finished"] or n == 0:
                         yield sse(chunk_body(rid, model, d["text"], d["finish_reason"] if d["finished"] else None, chat, n == 0))
@@ -130,7 +132,7 @@ def make_app(backend, cfg: AppConfig) -> FastAPI:
             n_tok += len(d["token_ids"])
             finish = d["finish_reason"]
         if finish == "error":
-            raise ENGINE_FAILED
+            raise engine_failed()
         return JSONResponse(completion_body(rid, model, text, finish, usage(n_tok), chat), headers={"x-osd-expert": expert})
 
     @app.post("/v1/completions")

@@ -93,9 +93,9 @@ class AppConfig(_Strict):
     @field_validator("device")
     @classmethod
     def _device(cls, v: str) -> str:
-        if v not in ("auto", "cpu", "cuda") and not v.startswith("cuda:"):
-            raise ValueError("must be auto, cpu, cuda or cuda:N")
-        return v
+        from osd_serve.loading import check_device  # CUDA itself is checked where the models load
+
+        return check_device(v)
 
     @model_validator(mode="after")
     def _check(self) -> "AppConfig":

@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_SPECULATIVE_TOKENS = 16
+# Bounds that fit the int64 tensors and the generator seed these become (the API's limits too).
+TOP_K_LIMIT = 2**31  # exclusive
+SEED_RANGE = (-(2**63), 2**64)  # [low, high)
 
 
 def _check(cond: bool, field_name: str, allowed: str, value: object) -> None:
@@ -37,9 +40,8 @@ class SamplingParams:
     def validate(self) -> None:
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "an integer >= 1", self.max_tokens)
         _check(self.temperature >= 0.0, "temperature", ">= 0", self.temperature)
-        # Bounded so they fit the int64 tensors and the generator seed they become, or admission fails.
-        _check(isinstance(self.top_k, int) and 0 <= self.top_k < 2**31, "top_k", "an integer in [0, 2**31) (0 disables)", self.top_k)
-        _check(self.seed is None or (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**64), "seed",
+        _check(isinstance(self.top_k, int) and 0 <= self.top_k < TOP_K_LIMIT, "top_k", "an integer in [0, 2**31) (0 disables)", self.top_k)
+        _check(self.seed is None or (isinstance(self.seed, int) and SEED_RANGE[0] <= self.seed < SEED_RANGE[1]), "seed",
                "a 64-bit integer, in [-2**63, 2**64)", self.seed)
         _check(0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]", self.top_p)
         _check(

@@ -94,7 +94,11 @@ class SpecEngine:
     def reset(self) -> None:
         """Forget every request and cache, e.g. after a step raised (the caller ends the requests).
         In place, not a new engine: distillers and version watchers hold this object."""
-        self.waiting, self.running, self._rows = deque(), [], None
+        self.waiting = deque()
+        self._empty_batch()
+
+    def _empty_batch(self) -> None:
+        self.running, self._rows = [], None
         self._target_kv = BatchKV(self.target, 0, self.device)
         self._draft_kv = BatchKV(self.draft, 0, self.device)
 
@@ -234,9 +238,7 @@ class SpecEngine:
         if len(keep) == len(self.running):
             return
         if not keep:  # start the next batch from fresh caches rather than zero-row ones
-            waiting = self.waiting
-            self.reset()
-            self.waiting = waiting
+            self._empty_batch()
             return
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
         self._target_kv.select(idx)

@@ -13,6 +13,13 @@ import torch
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def check_device(device: str) -> str:
+    """The device setting's form (ModelConfig and the serve app's config): auto, cpu, cuda or cuda:N."""
+    if device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", device):
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}")
+    return device
+
+
 @dataclass
 class ModelConfig:
     target: str
@@ -29,8 +36,7 @@ class ModelConfig:
             raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.attn_implementation not in ("auto", "flash_attention_2", "sdpa", "eager"):
             raise ValueError(f"attn_implementation must be auto, flash_attention_2, sdpa or eager, got {self.attn_implementation!r}")
-        if self.device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", self.device):
-            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        check_device(self.device)
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r}: CUDA is not available on this machine (torch {torch.__version__})")
 

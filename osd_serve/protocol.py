@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .config import MAX_SPECULATIVE_TOKENS, SamplingParams
+from .config import MAX_SPECULATIVE_TOKENS, SEED_RANGE, TOP_K_LIMIT, SamplingParams
 
 
 class StreamOptions(BaseModel):
@@ -29,12 +29,12 @@ class _Sampling(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, lt=2**31)
+    top_k: int = Field(0, ge=0, lt=TOP_K_LIMIT)
     n: int = Field(1, ge=1, le=1)  # one choice per request; ask several times for more
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    seed: int | None = Field(None, ge=SEED_RANGE[0], lt=SEED_RANGE[1])
     user: str | None = None
     expert: str | None = None
     num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_SPECULATIVE_TOKENS)
@@ -114,9 +114,8 @@ def validation_error(errors: list[dict]) -> RequestError:
     (prompt, stop) gets one error per member, located as prompt.str, prompt.list[int]...: name the
     field and list what it may be instead."""
     err = errors[0]
-    names = set(_FIELD_NAMES)
     extra = err["type"] == "extra_forbidden"  # its last part is the unknown field the client sent
-    loc = [p for i, p in enumerate(err["loc"]) if isinstance(p, int) or p in names or (extra and i == len(err["loc"]) - 1)]
+    loc = [p for i, p in enumerate(err["loc"]) if isinstance(p, int) or p in _FIELD_NAMES or (extra and i == len(err["loc"]) - 1)]
     param = ".".join(map(str, loc)) or None
     members = [e["loc"][len(loc)] for e in errors if list(e["loc"][: len(loc)]) == loc and len(e["loc"]) > len(loc)]
     if param and len(members) > 1 and len(loc) < len(err["loc"]):

@@ -129,6 +129,7 @@ class AsyncSpecServer:
                 self._iterate()
             except Exception:  # noqa: BLE001  if this thread died, every caller would wait forever
                 logging.getLogger(__name__).exception("engine loop iteration failed")
+                self._stop.wait(0.1)  # a fault that repeats must not spin a core
 
     def _iterate(self) -> None:
         self._drain_inbox()
