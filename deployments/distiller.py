@@ -47,6 +47,10 @@ class ReplayBufferActor:
     def __init__(self, cfg: dict):
         self.buffer = ReplayBuffer(BufferConfig(**cfg))
 
+    def configure(self, cfg: dict) -> None:
+        """The actor is detached and outlives the app: a redeploy brings its config here."""
+        self.buffer.reconfigure(BufferConfig(**cfg))
+
     def add(self, expert: str, record, nbytes: int) -> bool:
         # Put here, not by the sender: the object's owner is the process that put it, and the
         # buffer must own its records, or a replica that goes away would take its records along.
@@ -65,24 +69,34 @@ class ReplayBufferActor:
         return {e: {"records": len(s.records), "bytes": s.nbytes, "seen": s.seen} for e, s in self.buffer.shards.items()}
 
 
-def plan_workers(available: dict, serve_load: float, max_workers: int = 4, busy_load: float = 0.75,
+def plan_workers(nodes: list[dict], serve_load: float, max_workers: int = 4, busy_load: float = 0.75,
                  cpus_per_worker: float = 0.5) -> dict | None:
     """How many Ray Train workers to launch now, on what. None: wait.
 
-    available: ray.available_resources() (what serving left idle). serve_load: the serving
-    replicas' ongoing requests over their capacity, in [0, 1]. Idle GPUs are always worth using
-    (serving holds the GPUs it needs through its own reservations); CPUs only when serving is not
-    busy, since on CPU the trainer and the engine compete for the same cores.
+    nodes: each live node's idle resources (``idle_per_node()``: what serving left idle). A worker
+    must fit on one node, so capacity is counted per node: two nodes with half a GPU free each hold
+    no GPU worker (summed, they would plan one that can never be placed, and the job would wait for
+    it forever). serve_load: the serving replicas' ongoing requests over their capacity, in [0, 1].
+    Idle GPUs are always worth using (serving holds the GPUs it needs through its own reservations);
+    CPUs only when serving is not busy, since on CPU the trainer and the engine compete for the same cores.
     """
-    gpus = math.floor(available.get("GPU", 0.0) + 1e-9)
+    gpus = sum(math.floor(n.get("GPU", 0.0) + 1e-9) for n in nodes)
     if gpus >= 1:
         return {"num_workers": min(gpus, max_workers), "use_gpu": True}
     if serve_load >= busy_load:
         return None
-    cpus = math.floor(available.get("CPU", 0.0) / cpus_per_worker + 1e-9)
+    cpus = sum(math.floor(n.get("CPU", 0.0) / cpus_per_worker + 1e-9) for n in nodes)
     if cpus >= 1:
         return {"num_workers": min(cpus, max_workers), "use_gpu": False, "cpus_per_worker": cpus_per_worker}
     return None
+
+
+def idle_per_node() -> list[dict]:
+    """Each live node's available resources. Ray has this only as a DeveloperAPI in ray._private.state
+    (ray.util.tpu uses it the same way); ray.available_resources() sums over nodes."""
+    from ray._private.state import available_resources_per_node
+
+    return list(available_resources_per_node().values())
 
 
 def train_loop_per_worker(config: dict) -> None:
@@ -153,15 +167,21 @@ class DistillController:
 
     def __init__(self, draft_path: str, versions_dir: str, train_cfg: dict, steps: int, max_workers: int = 4,
                  heldout: int = 16, poll_s: float = 1.0, keep_versions: int = 5):
-        self.draft_path, self.versions_dir = draft_path, Path(os.path.expanduser(versions_dir))
-        self.train_cfg, self.steps, self.max_workers, self.heldout = train_cfg, steps, max_workers, heldout
-        self.keep_versions = keep_versions
+        self.configure(draft_path, versions_dir, train_cfg, steps, max_workers, heldout, keep_versions)
         self.buffer = ray.get_actor(BUFFER_NAME, namespace=NAMESPACE)
         self.load: dict[str, tuple[float, float, float]] = {}  # replica -> (ongoing, capacity, time), from heartbeats
         self.events: collections.deque[dict] = collections.deque(maxlen=self.MAX_EVENTS)
         self.state = "idle"
         self._stop = threading.Event()
         threading.Thread(target=self._loop, args=(poll_s,), daemon=True).start()
+
+    def configure(self, draft_path: str, versions_dir: str, train_cfg: dict, steps: int, max_workers: int = 4,
+                  heldout: int = 16, keep_versions: int = 5) -> None:
+        """The actor is detached and outlives the app: a redeploy brings its config here. One
+        assignment, read once per job (``_update``), so a running job keeps the settings it started with."""
+        self.settings = {"draft_path": draft_path, "versions_dir": Path(os.path.expanduser(versions_dir)),
+                         "train_cfg": train_cfg, "steps": steps, "max_workers": max_workers, "heldout": heldout,
+                         "keep_versions": keep_versions}
 
     def heartbeat(self, replica: str, ongoing: float, capacity: float) -> None:
         self.load[replica] = (ongoing, capacity, time.monotonic())
@@ -176,13 +196,14 @@ class DistillController:
         return list(self.events)
 
     def status(self) -> dict:
-        return {"state": self.state, "serve_load": self.serve_load(), "updates": len(self.events)}
+        return {"state": self.state, "serve_load": self.serve_load(), "updates": len(self.events),
+                "settings": {**self.settings, "versions_dir": str(self.settings["versions_dir"])}}
 
     def _loop(self, poll_s: float) -> None:
         while not self._stop.is_set():
             try:
                 for expert, why in ray.get(self.buffer.due.remote()).items():
-                    plan = plan_workers(ray.available_resources(), self.serve_load(), self.max_workers)
+                    plan = plan_workers(idle_per_node(), self.serve_load(), self.settings["max_workers"])
                     if plan is None:
                         continue  # no spare capacity: the trigger stays due, retried next poll
                     self.state = f"training {expert} on {plan}"
@@ -201,23 +222,25 @@ class DistillController:
         from transformers import AutoModelForCausalLM
 
         t0 = time.time()
+        cfg = self.settings
+        draft_path, versions_dir = cfg["draft_path"], cfg["versions_dir"]
         refs = ray.get(self.buffer.take.remote(expert))
-        n_held = min(self.heldout, max(2, len(refs) // 4))
+        n_held = min(cfg["heldout"], max(2, len(refs) // 4))
         if len(refs) <= n_held:
             return {"expert": expert, "skipped": "too few records", "time": t0}
-        store = VersionStore(self.versions_dir / expert, self.keep_versions)
+        store = VersionStore(versions_dir / expert, cfg["keep_versions"])
         # At most one worker per training record: a worker with none would skip the gradient
         # all-reduce the others wait in (a deadlock until the collective times out).
         plan = {**plan, "num_workers": min(plan["num_workers"], len(refs) - n_held)}
-        serving = AutoModelForCausalLM.from_pretrained(self.draft_path)
+        serving = AutoModelForCausalLM.from_pretrained(draft_path)
         if store.refresh() is None:
             store.publish({n: t.clone() for n, t in serving.state_dict().items()}, {"reason": "initial draft"})
         base = store.current  # the version this job trains from
         serving.load_state_dict(store.load(base), strict=False)
         state_path = str(store.path(base) / "draft.safetensors")
-        state = run_train_job(plan, refs[:-n_held], self.draft_path, state_path, self.train_cfg, self.steps,
-                              str(self.versions_dir / "ray_train"))
-        candidate = AutoModelForCausalLM.from_pretrained(self.draft_path)
+        state = run_train_job(plan, refs[:-n_held], draft_path, state_path, cfg["train_cfg"], cfg["steps"],
+                              str(versions_dir / "ray_train"))
+        candidate = AutoModelForCausalLM.from_pretrained(draft_path)
         candidate.load_state_dict(state, strict=False)
         vocab = serving.get_output_embeddings().weight.shape[0]
         verdict = check(candidate, serving, ray.get(refs[-n_held:]), vocab, GuardConfig(), candidate_state=state)
@@ -233,17 +256,18 @@ class DistillController:
 
 def connect(cfg) -> tuple:
     """The cluster's buffer actor and controller (created by whichever replica comes first, then
-    found by name); cfg: deployments.config.AppConfig with distill.backend ray_train."""
+    found by name, and given this config: they are detached, so they outlive a redeploy that
+    changes it); cfg: deployments.config.AppConfig with distill.backend ray_train."""
     from osd_serve.service import model_paths
 
     d = cfg.distill
     opts = {"namespace": NAMESPACE, "get_if_exists": True, "lifetime": "detached"}
-    buffer = ReplayBufferActor.options(name=BUFFER_NAME, **opts).remote(
-        {"max_bytes": d.buffer_mb << 20, "trigger_records": d.trigger_records, "trigger_age_s": d.trigger_age_s})
+    buffer_cfg = {"max_bytes": d.buffer_mb << 20, "trigger_records": d.trigger_records, "trigger_age_s": d.trigger_age_s}
+    buffer = ReplayBufferActor.options(name=BUFFER_NAME, **opts).remote(buffer_cfg)
     train = {"mode": d.mode, "lr": d.lr, "steps_per_update": d.steps_per_update}
-    controller = DistillController.options(name=CONTROLLER_NAME, **opts).remote(
-        model_paths(cfg)[1], d.versions_dir, train, d.steps_per_update, d.max_train_workers,
-        keep_versions=d.keep_versions)
+    args = (model_paths(cfg)[1], d.versions_dir, train, d.steps_per_update, d.max_train_workers)
+    controller = DistillController.options(name=CONTROLLER_NAME, **opts).remote(*args, keep_versions=d.keep_versions)
+    ray.get([buffer.configure.remote(buffer_cfg), controller.configure.remote(*args, keep_versions=d.keep_versions)])
     return buffer, controller
 
 

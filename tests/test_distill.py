@@ -17,7 +17,7 @@ from osd_serve.config import EngineConfig, SamplingParams
 from osd_serve.distill.guard import GuardConfig, evaluate
 from osd_serve.distill.online import OnlineDistiller
 from osd_serve.distill.recorder import RecordConfig, Recorder
-from osd_serve.distill.replay import BufferConfig, ReplayBuffer
+from osd_serve.distill.replay import BufferConfig, ReplayBuffer, make_record
 from osd_serve.distill.trainer import DistillTrainer, TrainConfig
 from osd_serve.distill.versions import VersionStore, VersionWatcher
 from osd_serve.engine import SpecEngine
@@ -269,7 +269,8 @@ def test_online_distiller_in_background_publishes_and_stays_lossless(models, tok
     assert eng.draft_version == dist.store.current
 
 
-def test_a_draft_with_a_smaller_vocabulary_serves_and_distils(tok):
+@pytest.mark.parametrize("topk", [0, 4])
+def test_a_draft_with_a_smaller_vocabulary_serves_and_distils(tok, topk):
     """A target whose embedding has rows the draft lacks (Qwen2.5-7B 152064, 0.5B 151936): ids only
     the target has reach the draft (a prompt here; a target may emit them too), yet serving stays the
     target's greedy decoding and distillation trains over the ids the draft has."""
@@ -282,11 +283,16 @@ def test_a_draft_with_a_smaller_vocabulary_serves_and_distils(tok):
             ids = torch.tensor([p])
             out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N_TOK, min_new_tokens=N_TOK, do_sample=False)
             refs.append(out[0, len(p):].tolist())
-    recs, outs = _records(target, draft, tok, prompts, k=3)
+    recs, outs = _records(target, draft, tok, prompts, topk=topk, k=3)
     assert [c.token_ids for c in outs] == refs
+    if topk:  # a top-k record can hold ids the draft lacks (this random target rarely ranks them high)
+        p = torch.zeros(1, len(tok) + 8)
+        p[0, [2, len(tok) + 1, len(tok) + 7]] = torch.tensor([0.5, 0.3, 0.2])
+        recs.append(make_record([1, 2], [3], [0], p, topk=topk))
     vocab = len(tok) + 8
     before = evaluate(draft, recs, vocab)
-    tr = DistillTrainer(draft, TrainConfig(mode="full", lr=3e-3, batch_size=8), vocab=vocab)
+    # vocab: the target's (as replay passes) or, unset, the draft's own (as serving does)
+    tr = DistillTrainer(draft, TrainConfig(mode="full", lr=3e-3, batch_size=8), vocab=None if topk else vocab)
     losses = tr.train(recs, steps=30)
     assert all(map(math.isfinite, losses)) and losses[-1] < losses[0]
     assert evaluate(tr.student, recs, vocab)["expected_acceptance"] > before["expected_acceptance"]

@@ -11,7 +11,7 @@ import torch
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.train")
 
-from deployments.distiller import BUFFER_NAME, NAMESPACE, DistillController, ReplayBufferActor, plan_workers  # noqa: E402
+from deployments.distiller import BUFFER_NAME, NAMESPACE, DistillController, ReplayBufferActor, idle_per_node, plan_workers  # noqa: E402
 from osd_serve.distill.versions import VersionStore  # noqa: E402
 from tests.conftest import llama, perturbed  # noqa: E402
 from tests.test_distill import _prompts, _records  # noqa: E402
@@ -44,21 +44,30 @@ def gpus_busy(cluster):
 
 
 def test_capacity_decision_uses_idle_gpus_and_spares_busy_cpus(cluster):
-    avail = ray.available_resources()
-    assert avail["GPU"] == 2
+    avail = idle_per_node()
+    assert [n["GPU"] for n in avail] == [2]
     assert plan_workers(avail, serve_load=0.9) == {"num_workers": 2, "use_gpu": True}
     assert plan_workers(avail, serve_load=0.1, max_workers=1) == {"num_workers": 1, "use_gpu": True}
     one = _Serving.remote()
     ray.get(one.ready.remote())
-    assert plan_workers(ray.available_resources(), serve_load=0.9) == {"num_workers": 1, "use_gpu": True}
+    assert plan_workers(idle_per_node(), serve_load=0.9) == {"num_workers": 1, "use_gpu": True}
     two = _Serving.remote()
     ray.get(two.ready.remote())
-    avail = ray.available_resources()
-    assert avail.get("GPU", 0) == 0
+    avail = idle_per_node()
+    assert avail[0].get("GPU", 0) == 0
     assert plan_workers(avail, serve_load=0.9) is None  # no GPU left and the CPUs are busy serving: wait
     assert plan_workers(avail, serve_load=0.2) == {"num_workers": 4, "use_gpu": False, "cpus_per_worker": 0.5}  # 2 CPUs / 0.5
     ray.kill(one)
     ray.kill(two)
+
+
+def test_capacity_is_counted_per_node():
+    """A worker needs its GPU (or its CPU share) on one node: fractions left on different nodes do not add up."""
+    halves = [{"GPU": 0.5, "CPU": 0.4}, {"GPU": 0.5, "CPU": 0.4}]
+    assert plan_workers(halves, serve_load=0.9) is None  # summed: 1 GPU, a worker no node can place
+    assert plan_workers(halves, serve_load=0.1) is None  # summed: 0.8 CPU, one 0.5-CPU worker no node can place
+    assert plan_workers([{"GPU": 1.5}, {"GPU": 0.9}, {"GPU": 1.0}], serve_load=0.9) == {"num_workers": 2, "use_gpu": True}
+    assert plan_workers([{"CPU": 0.75}, {"CPU": 1.0}], serve_load=0.1)["num_workers"] == 3
 
 
 @pytest.fixture(scope="module")
@@ -109,3 +118,36 @@ def test_controller_trains_guards_and_publishes(cluster, gpus_busy, data, tmp_pa
     assert torch.is_tensor(next(iter(store.load(1).values())))
     runs = tmp_path / "versions" / "ray_train"  # each run's checkpoint is a full draft: removed once loaded
     assert not runs.exists() or not any(p.name.startswith("distill-") for p in runs.iterdir())
+
+
+def test_a_redeploy_reconfigures_the_detached_actors(cluster, gpus_busy, data, tmp_path):
+    """The buffer and controller are detached and found by name: a redeploy with a changed config
+    must reach them (they kept the first deploy's bounds and triggers)."""
+    from deployments.config import AppConfig
+    from deployments.distiller import CONTROLLER_NAME, connect
+
+    for name in (BUFFER_NAME, CONTROLLER_NAME):  # whatever an earlier test left under these names
+        try:
+            ray.kill(ray.get_actor(name, namespace=NAMESPACE))
+        except ValueError:
+            pass
+    _, path, train, _, _ = data
+
+    def cfg(**distill):
+        return AppConfig(target=path, draft=path, distill={"backend": "ray_train", "versions_dir": str(tmp_path), **distill})
+
+    buf, ctl = connect(cfg(trigger_records=1000, buffer_mb=64, max_train_workers=1))
+    try:
+        for r in train[:4]:
+            ray.get(buf.add.remote("default", r, r.nbytes))
+        assert ray.get(buf.due.remote()) == {}
+        assert ray.get(ctl.status.remote())["settings"]["max_workers"] == 1
+        ray.get(ctl.heartbeat.remote("replica", 1.0, 1.0))  # serving busy, GPUs held: the controller must not train (and take the records)
+        buf2, ctl2 = connect(cfg(trigger_records=3, buffer_mb=64, max_train_workers=2, keep_versions=2, lr=0.01))
+        assert ray.get(buf2.stats.remote())["default"]["records"] == 4  # the same actor, records kept
+        assert ray.get(buf2.due.remote()) == {"default": "size"}  # the new trigger applies
+        settings = ray.get(ctl2.status.remote())["settings"]
+        assert (settings["max_workers"], settings["keep_versions"], settings["train_cfg"]["lr"]) == (2, 2, 0.01)
+    finally:
+        ray.kill(buf)
+        ray.kill(ctl)

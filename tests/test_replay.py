@@ -64,3 +64,28 @@ def test_triggers_by_size_and_by_age_and_shards_are_separate():
     assert buf.due(now=111.0) == {"code": "size", "math": "age"}
     buf.shard("code").mark_updated()
     assert buf.due(now=111.0) == {"math": "age"}
+
+
+def test_topk_ids_beyond_the_draft_vocabulary():
+    """A target with ids the draft lacks can put its top-k there: the dense row must not fail and keeps
+    the whole distribution (the trainer and the guard cut it to the draft's ids)."""
+    p = torch.zeros(2, 12)
+    p[0, [1, 10, 11]] = torch.tensor([0.5, 0.3, 0.2])
+    p[1, [2, 3, 11]] = torch.tensor([0.6, 0.3, 0.1])
+    rec = make_record([1], [2, 3], [0, 1], p, topk=3)
+    dense = rec.dense_probs(8)  # the draft's width
+    assert dense.shape == (2, 12) and torch.allclose(dense, p, atol=1e-3)
+    assert rec.dense_probs(16).shape == (2, 16)
+
+
+def test_reconfigure_applies_new_bounds_and_triggers():
+    size = _rec(0).nbytes
+    buf = ReplayBuffer(BufferConfig(max_bytes=10 * size, trigger_records=100))
+    for i in range(8):
+        buf.add(_rec(i))
+    assert buf.due() == {}
+    buf.reconfigure(BufferConfig(max_bytes=5 * size, trigger_records=4))
+    assert [r.tag for r in buf.shard("default").records] == [3, 4, 5, 6, 7] and buf.nbytes == 5 * size
+    assert buf.due() == {"default": "size"}
+    buf.add(_rec(8))
+    assert buf.nbytes == 5 * size  # the new bound holds for later records too

@@ -32,11 +32,18 @@ class ReplayRecord:
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
     def dense_probs(self, vocab: int) -> torch.Tensor:
-        """The kept distributions as [n, V] float32; top-k spreads the rest mass uniformly on the others."""
+        """The kept distributions as [n, V'] float32; top-k spreads the rest mass uniformly on the others.
+
+        Full records keep the target's width V' (the caller cuts it to its draft's ids). A top-k
+        record is built over ``vocab`` ids, widened to the largest kept id where the target has ids
+        the draft lacks (Qwen2.5-7B's 152064 over 0.5B's 151936): cut there, the mass on missing
+        ids would be lost from the row; kept, the caller cuts and renormalises as for a full record.
+        """
         if self.topk_ids is None:
             return self.probs.float()
         n, k = self.probs.shape
-        fill = (self.rest_mass.float() / max(vocab - k, 1))[:, None].expand(n, vocab).clone()  # [n, V]
+        width = max(vocab, int(self.topk_ids.max()) + 1) if self.topk_ids.numel() else vocab
+        fill = (self.rest_mass.float() / max(width - k, 1))[:, None].expand(n, width).clone()  # [n, V']
         return fill.scatter_(1, self.topk_ids.long(), self.probs.float())
 
 
@@ -128,6 +135,15 @@ class ReplayBuffer:
 
     def add(self, rec: ReplayRecord, now: float | None = None) -> bool:
         return self.shard(rec.expert).add(rec, now)
+
+    def reconfigure(self, cfg: BufferConfig) -> None:
+        """New bounds and triggers for every shard (a redeploy with a changed config); a smaller
+        max_bytes drops the oldest records now."""
+        self.cfg = cfg
+        for s in self.shards.values():
+            s.cfg = cfg
+            while s.records and s.nbytes > cfg.max_bytes:
+                s.nbytes -= s.records.popleft().nbytes
 
     def due(self, now: float | None = None) -> dict[str, str]:
         """expert -> trigger ('size' or 'age') for every shard whose update is due."""

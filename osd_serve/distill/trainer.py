@@ -78,6 +78,9 @@ class DistillTrainer:
             raise ValueError("student_fraction > 0 needs the teacher (target) model to score samples")
         self.teacher = teacher
         self.vocab = vocab or draft.get_output_embeddings().weight.shape[0]
+        # The ids the student can put mass on: a draft with a smaller embedding than the target's
+        # (Qwen2.5-0.5B for -7B: 151936 < 152064) learns the target's distribution over those.
+        self.width = min(self.vocab, draft.get_output_embeddings().weight.shape[0])
         self.base_names = set(draft.state_dict())
         self._template = draft
         self.student = self._build_student(None)
@@ -145,12 +148,12 @@ class DistillTrainer:
         mask = mask.long()
         logits = self.student(input_ids=ids.clamp(max=max_input_id(self.student)).to(self.device), attention_mask=mask.to(self.device)).logits  # [B, L, V']
         rows_t, idx_t = torch.cat(rows).to(self.device), torch.cat(idx).to(self.device)
-        student = logits[rows_t, idx_t, : self.vocab]  # [N, V'']
-        teacher_p = torch.cat(p).to(self.device)  # [N, V]
-        if student.shape[-1] < teacher_p.shape[-1]:
-            # A draft with a smaller embedding than the target's (Qwen2.5-0.5B for -7B: 151936 < 152064)
-            # cannot put mass on the missing ids; it learns the target's distribution over the ids it has.
-            teacher_p = teacher_p[:, : student.shape[-1]]
+        student = logits[rows_t, idx_t, : self.width]  # [N, W]
+        # Rows come as wide as the target (full records), as the draft's vocab (student-sampled) or
+        # up to the largest top-k id: cut to the ids the student has, and renormalise what was cut.
+        cut = any(pr.shape[-1] > self.width for pr in p)
+        teacher_p = torch.cat([pr[:, : self.width] for pr in p]).to(self.device)  # [N, W]
+        if cut:
             teacher_p = teacher_p / teacher_p.sum(-1, keepdim=True).clamp_min(_EPS)
         if self.cfg.chunk_size:
             return chunked_forward_kl(student, teacher_p, chunk_size=self.cfg.chunk_size)
