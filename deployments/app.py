@@ -28,16 +28,16 @@ class SpecServer:
 
         self.cfg = AppConfig.model_validate(cfg)
         try:
-            tag = serve.get_replica_context().replica_id.unique_id
+            tag, private = serve.get_replica_context().replica_id.unique_id, True
         except Exception:  # noqa: BLE001  outside a replica (unit tests)
-            tag = "local"
+            tag, private = "local", False
         sink = None
         if self.cfg.distill.enabled and self.cfg.distill.backend == "ray_train":
             from .distiller import connect, send_record, start_heartbeat
 
             self.buffer, self.controller = connect(self.cfg)
             sink = lambda record: send_record(self.buffer, record)  # noqa: E731
-        self.service = SpecService(self.cfg, replica_tag=tag, record_sink=sink)
+        self.service = SpecService(self.cfg, replica_tag=tag, record_sink=sink, private_versions=private)
         if sink is not None:
             start_heartbeat(self.controller, tag, self.service.load)
 

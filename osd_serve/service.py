@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import logging
 import os
+import shutil
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -21,6 +23,8 @@ from .distill.versions import VersionStore, VersionWatcher
 from .protocol import render_chat
 from .serving import AsyncSpecServer
 from .telemetry import Telemetry
+
+logger = logging.getLogger(__name__)
 
 
 def model_paths(cfg) -> tuple[str, str]:
@@ -59,12 +63,16 @@ def expert_draft(base, adapter: str | None):
 
 
 class SpecService:
-    def __init__(self, cfg, models=None, replica_tag: str = "local", record_sink=None):
+    def __init__(self, cfg, models=None, replica_tag: str = "local", record_sink=None, private_versions: bool = False):
         """cfg: deployments.config.AppConfig (or anything with its fields).
 
         record_sink(record): distillation runs elsewhere (deployments/distiller.py): finished
-        requests' records go to the sink, and new versions are picked up from versions_dir."""
-        self.cfg = cfg
+        requests' records go to the sink, and new versions are picked up from versions_dir.
+        private_versions: replica_tag is this instance's alone (a Ray Serve replica id), so the local
+        backend's versions under versions_dir/<replica_tag> are removed on close: no later replica
+        has that id, and a full draft per expert per replica start would pile up on disk."""
+        self.cfg, self.replica_tag = cfg, replica_tag
+        self._private_root: Path | None = None
         self.target, base, self.tokenizer = models or load_models(cfg)
         drafts = {e.name: expert_draft(base, e.adapter) for e in cfg.experts}
         econf = EngineConfig(max_batch_size=cfg.max_batch_size, max_model_len=cfg.max_model_len)
@@ -79,6 +87,7 @@ class SpecService:
             self._watch_versions(Path(os.path.expanduser(d.versions_dir)), record_sink, RecordConfig(keep=d.keep))
         elif d.enabled:
             root = Path(os.path.expanduser(d.versions_dir)) / replica_tag
+            self._private_root = root if private_versions else None
             for name, eng in self.server.engines.items():
                 trainer = DistillTrainer(eng.draft, TrainConfig(mode=d.mode, lr=d.lr, steps_per_update=d.steps_per_update))
                 buf = ReplayBuffer(BufferConfig(max_bytes=d.buffer_mb << 20, trigger_records=d.trigger_records,
@@ -135,7 +144,7 @@ class SpecService:
                          "versions": dist.store.versions if dist else self._watched_versions(name),
                          "updates": len(dist.updates) if dist else 0,
                          "buffer_bytes": dist.buffer.nbytes if dist else 0}
-        return {"experts": out}
+        return {"experts": out, "replica": self.replica_tag}
 
     def _watched_versions(self, expert: str) -> list[int]:
         store = self.watcher.stores.get(expert) if self.watcher is not None else None
@@ -151,13 +160,15 @@ class SpecService:
         else:
             version = await asyncio.to_thread(self._dist(expert).rollback, to)
         self.telemetry.on_event(expert, version=version, rollback=1)
-        return {"expert": expert, "serving_version": version}
+        return {"expert": expert, "serving_version": version, "replica": self.replica_tag}
 
     async def admin_update(self, expert: str) -> dict:
+        # With the local backend every replica has its own store: the answer names the one that acted.
         res = await asyncio.to_thread(self._dist(expert).update, expert, "admin")
         if res is None:
-            return {"expert": expert, "updated": False, "reason": "too few records"}
-        return {"expert": expert, "updated": True, "published": res.published, "reason": res.reason, "version": res.version}
+            return {"expert": expert, "updated": False, "reason": "too few records", "replica": self.replica_tag}
+        return {"expert": expert, "updated": True, "published": res.published, "reason": res.reason, "version": res.version,
+                "replica": self.replica_tag}
 
     def _dist(self, expert: str) -> OnlineDistiller:
         if expert not in self.distillers:
@@ -169,7 +180,12 @@ class SpecService:
     def close(self) -> None:
         if self.watcher is not None:
             self.watcher.close()
-        for d in self.distillers.values():
-            d.stop()
+        for name, d in self.distillers.items():
+            try:
+                d.stop()
+            except RuntimeError as e:  # its thread had failed: logged, and the rest still closes
+                logger.warning("distiller %s: %r", name, e.__cause__ or e)
         self.server.close()
         self.telemetry.close()
+        if self._private_root is not None:
+            shutil.rmtree(self._private_root, ignore_errors=True)

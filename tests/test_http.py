@@ -228,3 +228,21 @@ def test_a_chat_template_that_writes_bos_gets_one_bos():
     tok.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
     ids = render_chat([{"role": "user", "content": "hi"}], tok)
     assert ids.count(3) == 1 and ids[0] == 3 and tok.decode(ids, skip_special_tokens=True) == "user: hi\nassistant:"
+
+
+def test_a_replicas_private_versions_are_removed_on_close(tok, tmp_path):
+    """Local backend: each Ray Serve replica keeps its versions under versions_dir/<replica id>, an id no
+    later replica has; close removes them (a full draft per expert per replica start piled up), and
+    admin answers name the replica that acted (with several replicas, one of them answers)."""
+    target = llama(len(tok), seed=3)
+    cfg = AppConfig(distill={"versions_dir": str(tmp_path), "mode": "full"}, wandb={"mode": "disabled"})
+    own = SpecService(cfg, models=(target, perturbed(target, 0.05), tok), replica_tag="r1", private_versions=True)
+    shared = SpecService(cfg, models=(target, perturbed(target, 0.05), tok), replica_tag="local")
+    try:
+        assert (tmp_path / "r1" / "default").is_dir() and (tmp_path / "local" / "default").is_dir()
+        assert asyncio.run(own.admin_update("default"))["replica"] == "r1"
+        assert asyncio.run(own.admin_experts())["replica"] == "r1"
+    finally:
+        own.close()
+        shared.close()
+    assert not (tmp_path / "r1").exists() and (tmp_path / "local" / "default").is_dir()
