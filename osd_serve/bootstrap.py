@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -233,14 +234,27 @@ def _is_complete(d: Path, cfg: PairConfig) -> bool:
     return info.get("version") == BUILD_VERSION and info.get("config") == json.loads(json.dumps(asdict(cfg)))
 
 
-def _sweep_stale_tmp(root: Path) -> None:
-    """Delete temp dirs left by killed builds (up to ~130 MB each): their process is gone."""
+def _owner() -> str:
+    return f"{socket.gethostname()} {os.getpid()}"
+
+
+def _sweep_stale_tmp(root: Path, foreign_after_s: float = 86400.0) -> None:
+    """Delete temp dirs left by killed builds (up to ~130 MB each): their process is gone.
+
+    The PID file names the host too: on storage several nodes share, another node's build is
+    alive though its pid is not one here, so it is left alone for a day (a build takes minutes).
+    """
     for d in root.glob(".tmp-*"):
         age = 0.0
         try:
             age = time.time() - d.stat().st_mtime
-            os.kill(int((d / "PID").read_text()), 0)  # signal 0 only checks the process exists
-            continue
+            host, _, pid = (d / "PID").read_text().strip().rpartition(" ")
+            if host and host != socket.gethostname():
+                if age < foreign_after_s:
+                    continue
+            else:
+                os.kill(int(pid), 0)  # signal 0 only checks the process exists
+                continue
         except ProcessLookupError:
             pass
         except (OSError, ValueError):  # no PID file yet (a build just starting), or d vanished
@@ -287,7 +301,7 @@ def build_pair(data_files: list[str] | None = None, out_root: str | None = None,
     # crash leaves only a .tmp-* directory that never carries the marker.
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
     try:
-        (tmp / "PID").write_text(str(os.getpid()))
+        (tmp / "PID").write_text(_owner())
         with _all_cores():
             info = _build_into(tmp, data_files, cfg, preset)
         (tmp / "build.json").write_text(json.dumps(info, indent=2))

@@ -81,12 +81,14 @@ def load_corpus(data_files: list[str] | None, cfg: PairConfig) -> list[str]:
         return docs
     per_file = cfg.corpus_max_bytes // len(data_files)
     for path in data_files:
-        budget = per_file
+        budget, taken = per_file, 0
         for text in tqdm(read_documents(path), desc=f"corpus: {os.path.basename(path)}", unit="doc"):
             if len(text) > budget:
+                if not taken:  # a first record longer than the file's share: its start, not an empty source
+                    docs.append(text[:budget])
                 break
             docs.append(text)
-            budget -= len(text)
+            budget, taken = budget - len(text), taken + 1
     if not docs:
         raise ValueError(f"data files {data_files} contain no text")
     return docs

@@ -6,6 +6,7 @@ One tiny build per session (module fixture) keeps the file to a few seconds of t
 import gzip
 import json
 import os
+import socket
 import time
 
 import pytest
@@ -14,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from osd_serve import bootstrap
 from osd_serve.bootstrap import build_pair
-from osd_serve.corpus import read_documents, record_text
+from osd_serve.corpus import load_corpus, read_documents, record_text
 
 
 @pytest.fixture(scope="module")
@@ -117,8 +118,17 @@ def test_killed_builds_temp_dirs_are_swept(tmp_path):
     (alive / "PID").write_text(str(os.getpid()))
     young = tmp_path / ".tmp-default-pair-young"  # no PID file yet: a build that just started
     young.mkdir()
+    here = tmp_path / ".tmp-default-pair-here"  # this host's dead pid, as the PID file is written now
+    here.mkdir()
+    (here / "PID").write_text(f"{socket.gethostname()} 999999999")
+    # another node's build on shared storage: its pid means nothing here, so it is kept for a day
+    other = tmp_path / ".tmp-default-pair-other"
+    other.mkdir()
+    (other / "PID").write_text("some-other-node 999999999")
     bootstrap._sweep_stale_tmp(tmp_path)
-    assert not dead.exists() and alive.exists() and young.exists()
+    assert not dead.exists() and not here.exists() and alive.exists() and young.exists() and other.exists()
+    bootstrap._sweep_stale_tmp(tmp_path, foreign_after_s=0.0)
+    assert not other.exists() and alive.exists()
 
 
 def test_record_text_joins_string_fields():
@@ -160,3 +170,15 @@ def test_build_from_data_files(tmp_path):
     # Different data files are a different cache entry.
     assert bootstrap._cache_name(files[:1], "tiny", bootstrap.PRESETS["tiny"]) != os.path.basename(
         os.path.dirname(paths["target"]))
+
+
+def test_a_long_first_record_does_not_leave_its_source_empty(tmp_path):
+    """Each data file gets an even share of the corpus budget; a file whose first record is longer
+    than that share contributed nothing (and a single such file was 'no text')."""
+    cfg = bootstrap.PRESETS["tiny"]
+    share = cfg.corpus_max_bytes // 2
+    (tmp_path / "long.txt").write_text("word " * share + "\n\nshort paragraph\n")
+    (tmp_path / "small.jsonl").write_text("".join(json.dumps({"q": f"question {i}"}) + "\n" for i in range(5)))
+    docs = load_corpus([str(tmp_path / "long.txt"), str(tmp_path / "small.jsonl")], cfg)
+    assert len(docs[0]) == share and docs[0].startswith("word word")
+    assert docs[1:] == [f"question {i}" for i in range(5)]
