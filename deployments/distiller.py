@@ -39,6 +39,7 @@ class RecordRef:
     ref: list  # [ObjectRef] (wrapped in a list so Ray never resolves it on the way in)
     nbytes: int
     expert: str
+    heldout: bool = False  # a guard sample (ReplayRecord.heldout)
     created: float = field(default_factory=time.monotonic)
 
 
@@ -54,16 +55,17 @@ class ReplayBufferActor:
     def add(self, expert: str, record, nbytes: int) -> bool:
         # Put here, not by the sender: the object's owner is the process that put it, and the
         # buffer must own its records, or a replica that goes away would take its records along.
-        return self.buffer.add(RecordRef([ray.put(record)], nbytes, expert))
+        return self.buffer.add(RecordRef([ray.put(record)], nbytes, expert, getattr(record, "heldout", False)))
 
     def due(self) -> dict[str, str]:
         return self.buffer.due()
 
-    def take(self, expert: str) -> list:
-        """All refs of the expert's shard, oldest first; starts a new trigger window."""
+    def take(self, expert: str) -> tuple[list, list[bool]]:
+        """All refs of the expert's shard, oldest first, and which are guard samples; starts a new
+        trigger window."""
         shard = self.buffer.shard(expert)
         shard.mark_updated()
-        return [r.ref[0] for r in shard.records]
+        return [r.ref[0] for r in shard.records], [r.heldout for r in shard.records]
 
     def stats(self) -> dict:
         return {e: {"records": len(s.records), "bytes": s.nbytes, "seen": s.seen} for e, s in self.buffer.shards.items()}
@@ -217,33 +219,35 @@ class DistillController:
             self._stop.wait(poll_s)
 
     def _update(self, expert: str, why: str, plan: dict) -> dict:
-        from osd_serve.distill.guard import GuardConfig, check
+        from osd_serve.distill.guard import GuardConfig, check, split_for_guard
         from osd_serve.distill.versions import VersionStore
         from transformers import AutoModelForCausalLM
 
         t0 = time.time()
         cfg = self.settings
         draft_path, versions_dir = cfg["draft_path"], cfg["versions_dir"]
-        refs = ray.get(self.buffer.take.remote(expert))
-        n_held = min(cfg["heldout"], max(2, len(refs) // 4))
-        if len(refs) <= n_held:
+        refs, flags = ray.get(self.buffer.take.remote(expert))
+        guard_cfg = GuardConfig(max_heldout=cfg["heldout"])
+        split = split_for_guard(flags, guard_cfg)
+        if split is None:
             return {"expert": expert, "skipped": "too few records", "time": t0}
+        train_refs, held_refs = [refs[i] for i in split[0]], [refs[i] for i in split[1]]
         store = VersionStore(versions_dir / expert, cfg["keep_versions"])
         # At most one worker per training record: a worker with none would skip the gradient
         # all-reduce the others wait in (a deadlock until the collective times out).
-        plan = {**plan, "num_workers": min(plan["num_workers"], len(refs) - n_held)}
+        plan = {**plan, "num_workers": min(plan["num_workers"], len(train_refs))}
         serving = AutoModelForCausalLM.from_pretrained(draft_path)
         if store.refresh() is None:
             store.publish({n: t.clone() for n, t in serving.state_dict().items()}, {"reason": "initial draft"})
         base = store.current  # the version this job trains from
         serving.load_state_dict(store.load(base), strict=False)
         state_path = str(store.path(base) / "draft.safetensors")
-        state = run_train_job(plan, refs[:-n_held], draft_path, state_path, cfg["train_cfg"], cfg["steps"],
+        state = run_train_job(plan, train_refs, draft_path, state_path, cfg["train_cfg"], cfg["steps"],
                               str(versions_dir / "ray_train"))
         candidate = AutoModelForCausalLM.from_pretrained(draft_path)
         candidate.load_state_dict(state, strict=False)
         vocab = serving.get_output_embeddings().weight.shape[0]
-        verdict = check(candidate, serving, ray.get(refs[-n_held:]), vocab, GuardConfig(), candidate_state=state)
+        verdict = check(candidate, serving, ray.get(held_refs), vocab, guard_cfg, candidate_state=state)
         version, reason = None, verdict.reason
         if verdict.publish:  # only over the version it was trained from: a rollback meanwhile wins
             version = store.publish(state, {"trigger": why, "plan": plan, "candidate": verdict.candidate,

@@ -96,6 +96,8 @@ class SpecEngine:
         In place, not a new engine: distillers and version watchers hold this object."""
         self.waiting = deque()
         self._empty_batch()
+        if self.recorder is not None:  # their traces would wait for a finish that never comes
+            self.recorder.drop()
 
     def _empty_batch(self) -> None:
         self.running, self._rows = [], None
@@ -202,9 +204,16 @@ class SpecEngine:
         """Publish new draft weights (names as in ``draft.state_dict()``). Safe from any thread: the
         swap happens at the start of the next step, never inside one. Any draft keeps the output
         lossless; only acceptance depends on it."""
-        unknown = set(state) - set(self.draft.state_dict())
+        # Checked here, in the caller's thread: a state the draft cannot take must fail the swap,
+        # not the next step (every request in it) after load_state_dict copied half of it in.
+        own = self.draft.state_dict()
+        unknown = set(state) - set(own)
         if unknown:
             raise ValueError(f"swap_draft: state has names the draft does not: {sorted(unknown)[:3]}")
+        wrong = [n for n, t in state.items() if t.shape != own[n].shape]
+        if wrong:
+            raise ValueError(f"swap_draft: {wrong[0]} has shape {tuple(state[wrong[0]].shape)}, the draft's is "
+                             f"{tuple(own[wrong[0]].shape)} (a version of another draft?)")
         with self._swap_lock:
             self._pending_swap = (state, version)
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import logging
 import os
 import shutil
 import time
@@ -23,8 +22,6 @@ from .distill.versions import VersionStore, VersionWatcher
 from .protocol import render_chat
 from .serving import AsyncSpecServer
 from .telemetry import Telemetry
-
-logger = logging.getLogger(__name__)
 
 
 def model_paths(cfg) -> tuple[str, str]:
@@ -89,7 +86,8 @@ class SpecService:
             root = Path(os.path.expanduser(d.versions_dir)) / replica_tag
             self._private_root = root if private_versions else None
             for name, eng in self.server.engines.items():
-                trainer = DistillTrainer(eng.draft, TrainConfig(mode=d.mode, lr=d.lr, steps_per_update=d.steps_per_update))
+                trainer = DistillTrainer(eng.draft, TrainConfig(mode=d.mode, lr=d.lr, steps_per_update=d.steps_per_update),
+                                         vocab=eng.vocab)
                 buf = ReplayBuffer(BufferConfig(max_bytes=d.buffer_mb << 20, trigger_records=d.trigger_records,
                                                 trigger_age_s=d.trigger_age_s))
                 dist = OnlineDistiller(eng, trainer, buf, VersionStore(root / name, d.keep_versions), GuardConfig(),
@@ -143,7 +141,7 @@ class SpecService:
             out[name] = {"serving_version": eng.draft_version, "running": len(eng.running), "waiting": len(eng.waiting),
                          "versions": dist.store.versions if dist else self._watched_versions(name),
                          "updates": len(dist.updates) if dist else 0,
-                         "buffer_bytes": dist.buffer.nbytes if dist else 0}
+                         "buffer_bytes": dist.buffer.nbytes if dist else 0, "last_error": dist.error if dist else None}
         return {"experts": out, "replica": self.replica_tag}
 
     def _watched_versions(self, expert: str) -> list[int]:
@@ -180,11 +178,8 @@ class SpecService:
     def close(self) -> None:
         if self.watcher is not None:
             self.watcher.close()
-        for name, d in self.distillers.items():
-            try:
-                d.stop()
-            except RuntimeError as e:  # its thread had failed: logged, and the rest still closes
-                logger.warning("distiller %s: %r", name, e.__cause__ or e)
+        for d in self.distillers.values():
+            d.stop()
         self.server.close()
         self.telemetry.close()
         if self._private_root is not None:

@@ -7,14 +7,16 @@ import copy
 import json
 import math
 import random
+import tempfile
 import threading
+import time
 
 import pytest
 import torch
 from tests.conftest import llama, perturbed
 
 from osd_serve.config import EngineConfig, SamplingParams
-from osd_serve.distill.guard import GuardConfig, evaluate
+from osd_serve.distill.guard import GuardConfig, check, evaluate, split_for_guard
 from osd_serve.distill.online import OnlineDistiller
 from osd_serve.distill.recorder import RecordConfig, Recorder
 from osd_serve.distill.replay import BufferConfig, ReplayBuffer, make_record
@@ -296,3 +298,101 @@ def test_a_draft_with_a_smaller_vocabulary_serves_and_distils(tok, topk):
     losses = tr.train(recs, steps=30)
     assert all(map(math.isfinite, losses)) and losses[-1] < losses[0]
     assert evaluate(tr.student, recs, vocab)["expected_acceptance"] > before["expected_acceptance"]
+
+
+@torch.inference_mode()
+def test_the_guard_scores_guard_samples_not_the_drafts_own_mistakes(tok):
+    """keep='mismatch' records only positions where the serving draft was wrong: there its greedy
+    agreement is 0 by construction, so a guard scoring those published a worse draft. Every fourth
+    request is a guard sample that keeps every verified position; the guard scores only those."""
+    target = llama(len(tok), seed=0)
+    serving, worse = perturbed(target, 0.03, seed=1), perturbed(target, 0.035, seed=3)
+    prompts = _prompts(len(tok), 32, 0)
+    recs, outs = _records(target, serving, tok, prompts, keep="mismatch")
+    _, worse_outs = _records(target, worse, tok, prompts, keep="mismatch")
+    rate = lambda cs: sum(c.accepted for c in cs) / sum(c.proposed for c in cs)  # noqa: E731
+    assert rate(worse_outs) < rate(outs) - 0.015  # the candidate really is worse on this traffic (0.122 < 0.145)
+    guard = [r for r in recs if r.heldout]
+    assert len(guard) == 8 and all(r.positions.tolist() == list(range(len(r.response_ids))) for r in guard)
+    train, held = split_for_guard([r.heldout for r in recs], GuardConfig())
+    assert [recs[i] for i in held] == guard and not set(train) & set(held)
+    assert not check(worse, serving, guard, len(tok), GuardConfig()).publish
+    # what the guard scored before: the newest records, the serving draft's mistakes only
+    mistakes = [r for r in recs if not r.heldout][-8:]
+    assert check(worse, serving, mistakes, len(tok), GuardConfig()).publish
+
+
+def test_a_failed_update_is_reported_and_distillation_goes_on(models, tok, monkeypatch):
+    """One exception in an update (an OOM, a full disk) ended the distiller thread for good, silently."""
+    target, weak = models
+    eng = SpecEngine(target, copy.deepcopy(weak), tok, EngineConfig(max_batch_size=8))
+    trainer = DistillTrainer(eng.draft, TrainConfig(mode="full", lr=3e-3, steps_per_update=4))
+    store = VersionStore(tempfile.mkdtemp())
+    dist = OnlineDistiller(eng, trainer, ReplayBuffer(BufferConfig(trigger_records=4)), store, GuardConfig(tolerance=1.0))
+    real, calls = trainer.train, []
+
+    def flaky(records, steps=None, progress=False):
+        calls.append(len(records))
+        if len(calls) == 1:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return real(records, steps, progress)
+
+    monkeypatch.setattr(trainer, "train", flaky)
+    monkeypatch.setattr(OnlineDistiller, "RETRY_S", 0.0)
+    dist.start()
+    try:
+        deadline, i = time.time() + 120, 0
+        while len(dist.updates) < 2 and time.time() < deadline:  # updates fire as records arrive
+            eng.generate(_prompts(len(tok), 8, 10 + i), SamplingParams(max_tokens=N_TOK, num_speculative_tokens=3))
+            i += 1
+            time.sleep(0.2)
+    finally:
+        dist.stop()
+    assert dist.updates[0].reason.startswith("error: RuntimeError('CUDA out of memory") and not dist.updates[0].published
+    assert "out of memory" in dist.error
+    assert len(dist.updates) >= 2 and dist.updates[1].published  # the next trigger trained and published
+
+
+@torch.inference_mode()
+def test_a_state_the_draft_cannot_take_fails_the_swap_not_the_next_step(models, tok):
+    """A version of another draft (same names, other shapes: a stale versions_dir) was accepted, then
+    failed the next step for every request in it, after half the tensors had been copied in."""
+    target, weak = models
+    eng = SpecEngine(target, copy.deepcopy(weak), tok, EngineConfig(max_batch_size=8))
+    before = {n: t.clone() for n, t in eng.draft.state_dict().items()}
+    bad = {n: torch.zeros(t.shape[0] + 1, *t.shape[1:]) if n.endswith("q_proj.weight") else t.clone()
+           for n, t in before.items()}
+    with pytest.raises(ValueError, match="shape"):
+        eng.swap_draft(bad, 7)
+    prompts = _prompts(len(tok), 4, 5)
+    outs = eng.generate(prompts, SamplingParams(max_tokens=N_TOK, num_speculative_tokens=3))
+    assert all(c.finish_reason == "length" for c in outs) and eng.draft_version == 0
+    assert all(torch.equal(t, before[n]) for n, t in eng.draft.state_dict().items())
+
+
+@torch.inference_mode()
+def test_a_reset_engine_drops_the_recorders_requests(models, tok):
+    target, weak = models
+    rec = Recorder(RecordConfig("all"))
+    eng = SpecEngine(target, weak, tok, EngineConfig(max_batch_size=8), rec)
+    for p in _prompts(len(tok), 3, 6):
+        eng.add_request(p, SamplingParams(max_tokens=N_TOK, num_speculative_tokens=3))
+    eng.step()
+    assert len(rec.traces) == 3 and all(t.probs and t.probs[0].dtype == torch.float16 for t in rec.traces.values())
+    eng.reset()  # a step raised: these requests end with an error and never finish here
+    assert rec.traces == {}
+
+
+def test_a_draft_with_a_larger_padded_vocabulary_distils(tok):
+    """A draft whose embedding is padded past the target's: serving cuts its logits to the target's
+    ids; training and the guard must too (every training step failed on the width mismatch)."""
+    target = llama(len(tok), seed=0)
+    draft = llama(len(tok) + 5, seed=1)
+    recs, outs = _records(target, draft, tok, _prompts(len(tok), 8, 12), k=3)
+    assert recs and all(c.finish_reason in ("length", "stop") for c in outs)
+    before = evaluate(draft, recs, len(tok) + 5)  # the draft's width, as the cluster controller passes
+    for vocab in (None, len(tok)):  # unset (the cluster's Ray Train workers) and the target's (serving)
+        tr = DistillTrainer(draft, TrainConfig(mode="full", lr=3e-3, batch_size=8), vocab=vocab)
+        losses = tr.train(recs, steps=30)
+        assert all(map(math.isfinite, losses)) and losses[-1] < losses[0]
+        assert evaluate(tr.student, recs, len(tok) + 5)["expected_acceptance"] > before["expected_acceptance"]

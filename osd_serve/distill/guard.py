@@ -1,6 +1,7 @@
 """The publish guard: a new draft version serves only if it is no worse than the one serving now.
 
-Measured on held-out records (recent traffic the update did not train on), with the target's
+Measured on held-out guard samples (recent requests whose every verified position was recorded,
+which the update did not train on; split_for_guard), with the target's
 distributions the records already carry, so the guard costs draft forwards only:
     alpha-hat  mean over kept positions of sum_x min(p(x), q(x))  (= expected acceptance)
     greedy     mean of argmax q == argmax p                         (greedy acceptance)
@@ -8,6 +9,7 @@ distributions the records already carry, so the guard costs draft forwards only:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +30,22 @@ class GuardConfig:
             raise ValueError(f"heldout_fraction must be in (0, 1), got {self.heldout_fraction}")
         if self.tolerance < 0:
             raise ValueError(f"tolerance must be >= 0, got {self.tolerance}")
+
+
+def split_for_guard(heldout_flags: list[bool], cfg: GuardConfig) -> tuple[list[int], list[int]] | None:
+    """(train, held-out) indices into a shard's records, oldest first; None: too few guard samples.
+
+    Held out: the newest guard samples (every verified position kept, so unbiased), as many as
+    heldout_fraction of the records within [min_heldout, max_heldout]; they are what the next
+    requests will look like. Train: everything else, older guard samples included.
+    """
+    n = len(heldout_flags)
+    want = max(cfg.min_heldout, min(cfg.max_heldout, math.ceil(cfg.heldout_fraction * n)))
+    guard = [i for i, h in enumerate(heldout_flags) if h][-want:]
+    if len(guard) < cfg.min_heldout or len(guard) >= n:
+        return None
+    held = set(guard)
+    return [i for i in range(n) if i not in held], guard
 
 
 @dataclass
@@ -51,10 +69,12 @@ def evaluate(model, records: list[ReplayRecord], vocab: int, batch: int = 16) ->
         dev = next(model.parameters()).device
         logits = model(input_ids=ids.clamp(max=max_input_id(model)).to(dev), attention_mask=mask.to(dev)).logits.float().cpu()  # [B, L, V']
         for j, r in enumerate(recs):
-            q = torch.softmax(logits[j, len(r.prompt_ids) - 1 + r.positions, :vocab], -1)  # [n, V'']
             p = r.dense_probs(vocab)  # [n, V]
-            # A draft with a smaller embedding (V'' < V) never proposes the missing ids: no overlap there.
-            overlap += float(torch.minimum(p[:, : q.shape[-1]], q).sum())
+            # A draft with a smaller embedding never proposes the ids it lacks: no overlap there. One
+            # with a larger (padded) embedding proposes only the target's ids, as serving cuts its logits.
+            w = min(vocab, logits.shape[-1], p.shape[-1])
+            q = torch.softmax(logits[j, len(r.prompt_ids) - 1 + r.positions, :w], -1)  # [n, w]
+            overlap += float(torch.minimum(p[:, :w], q).sum())
             agree += int((q.argmax(-1) == p.argmax(-1)).sum())
             n += len(r.positions)
     model.train(was_training)

@@ -9,16 +9,18 @@ the serving weights, so it never reads parameters the serving thread may be swap
 from __future__ import annotations
 
 import copy
-import math
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
 
-from .guard import GuardConfig, check
+from .guard import GuardConfig, check, split_for_guard
 from .recorder import Recorder, RecordConfig
 from .replay import ReplayBuffer
 from .trainer import DistillTrainer
 from .versions import VersionStore
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -52,7 +54,7 @@ class OnlineDistiller:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.error: BaseException | None = None
+        self.error: str | None = None  # the last failed update's exception, for /admin/experts
         if store.current is None:  # version 0: the draft we started from, so rollback can reach it
             store.publish(trainer.serving_state(), {"reason": "initial draft"})
         engine.draft_version = store.current
@@ -83,11 +85,10 @@ class OnlineDistiller:
             shard = self.buffer.shard(expert)
             records = list(shard.records)
             shard.mark_updated()
-        n_held = max(self.guard.min_heldout, min(self.guard.max_heldout, math.ceil(self.guard.heldout_fraction * len(records))))
-        if len(records) < n_held + 1:
+        split = split_for_guard([r.heldout for r in records], self.guard)
+        if split is None:
             return None
-        # The newest records are held out: they are what the next requests will look like.
-        train, heldout = records[:-n_held], records[-n_held:]
+        train, heldout = [records[i] for i in split[0]], [records[i] for i in split[1]]
         self.training.set()
         try:
             losses = self.trainer.train(train)
@@ -133,14 +134,28 @@ class OnlineDistiller:
         self._thread.start()
 
     def _loop(self) -> None:
-        try:
-            while not self._stop.is_set():
-                self._wake.wait(timeout=0.5)  # the timeout lets age triggers fire without traffic
-                self._wake.clear()
-                for expert, why in self.due().items():
+        while not self._stop.is_set():
+            self._wake.wait(timeout=0.5)  # the timeout lets age triggers fire without traffic
+            self._wake.clear()
+            for expert, why in self.due().items():
+                try:
                     self.update(expert, why)
-        except BaseException as e:  # surfaced by stop(); serving goes on with the last good draft
-            self.error = e
+                except Exception as e:  # noqa: BLE001  one failed update (OOM, full disk) must not end distillation
+                    self._failed(expert, why, e)
+                    self._stop.wait(self.RETRY_S)  # a fault that repeats must not spin
+
+    RETRY_S = 5.0
+
+    def _failed(self, expert: str, trigger: str, e: Exception) -> None:
+        """Serving goes on with the last good draft; the student restarts from it, not from a half-trained state."""
+        logger.error("online distillation of %s failed: %r", expert, e, exc_info=e)
+        self.error = repr(e)
+        with self._update_lock:
+            self.trainer.revert()
+        res = UpdateResult(expert, trigger, False, f"error: {e!r}", None, 0, 0)
+        self.updates.append(res)
+        if self.on_update is not None:
+            self.on_update(res)
 
     def stop(self) -> None:
         self._stop.set()
@@ -148,5 +163,3 @@ class OnlineDistiller:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        if self.error is not None:
-            raise RuntimeError("online distillation thread failed") from self.error

@@ -18,12 +18,19 @@ from .replay import ReplayRecord, make_record
 class RecordConfig:
     keep: str = "mismatch"  # mismatch: only positions the draft got wrong (the paper) | all verified
     topk: int = 0  # 0 keeps the full distribution; else top-k probs + the remaining mass
+    # Every guard_every-th request is a guard sample: all its verified positions are kept and it is
+    # held out for the guard. Mismatch positions alone would bias the guard: there the serving draft
+    # was wrong by construction (greedy agreement 0), so any candidate looks better and a worse one
+    # was published.
+    guard_every: int = 4
 
     def __post_init__(self) -> None:
         if self.keep not in ("mismatch", "all"):
             raise ValueError(f"keep must be 'mismatch' or 'all', got {self.keep!r}")
         if self.topk < 0:
             raise ValueError(f"topk must be >= 0, got {self.topk}")
+        if self.guard_every < 1:
+            raise ValueError(f"guard_every must be >= 1, got {self.guard_every}")
 
 
 @dataclass
@@ -39,8 +46,9 @@ class RequestTrace:
     steps: int = 0
     emitted: int = 0
     draft_version: int = 0  # the version that served the request's last step
+    guard: bool = False  # a guard sample (RecordConfig.guard_every)
     positions: list[int] = field(default_factory=list)  # response indices kept for the record
-    probs: list[torch.Tensor] = field(default_factory=list)  # [V] float32 each, on CPU
+    probs: list[torch.Tensor] = field(default_factory=list)  # [V] float16 each, on CPU
 
     @property
     def greedy_acceptance(self) -> float | None:
@@ -70,6 +78,7 @@ class Recorder:
         self.max_traces = max_traces
         self.on_finish = on_finish
         self.traces: dict[str, RequestTrace] = {}
+        self._started = 0  # requests seen: every guard_every-th is a guard sample
 
     @torch.no_grad()
     def observe(self, requests, out, n_acc: list[int], k_rows: list[int], before: list[int], version: int) -> None:
@@ -90,7 +99,10 @@ class Recorder:
         for i, ((rid, expert), a, kr) in enumerate(zip(keys, n_acc, k_rows)):
             # Least recently observed last: over max_traces, what goes is a request not seen for longest
             # (one that moved to another replica and never finished here), never a live one.
-            tr = self.traces.pop(rid, None) or RequestTrace(rid, expert)
+            tr = self.traces.pop(rid, None)
+            if tr is None:
+                tr = RequestTrace(rid, expert, guard=self._started % self.cfg.guard_every == 0)
+                self._started += 1
             self.traces[rid] = tr
             while len(self.traces) > self.max_traces:
                 self.traces.pop(next(iter(self.traces)))
@@ -101,13 +113,19 @@ class Recorder:
             tr.steps += 1
             tr.emitted += a + 1
             tr.draft_version = versions[i]
-            if self.cfg.keep == "all":
+            if self.cfg.keep == "all" or tr.guard:
                 kept = range(a + 1)
             else:
                 kept = [a] if a < kr else []  # the position where the target corrected the draft
             for j in kept:
                 tr.positions.append(before[i] + j)
-                tr.probs.append(p[i, j].clone())  # not a view: it would pin the whole step's [B, k+1, V]
+                # float16, as the record stores it (half the bytes while in flight); a copy, not a
+                # view, which would pin the whole step's [B, k+1, V]
+                tr.probs.append(p[i, j].half())
+
+    def drop(self) -> None:
+        """Forget every request in flight (the engine was reset: none of them will finish)."""
+        self.traces.clear()
 
     def finish(self, request) -> tuple[ReplayRecord | None, RequestTrace]:
         tr = self.traces.pop(request.request_id, None) or RequestTrace(request.request_id)
@@ -118,6 +136,7 @@ class Recorder:
             probs = torch.stack([tr.probs[j] for j in keep])  # [n, V]
             rec = make_record(request.prompt_ids, request.output_ids, [tr.positions[j] for j in keep], probs,
                               topk=self.cfg.topk, expert=tr.expert)
+            rec.heldout = tr.guard
         tr.positions, tr.probs = [], []
         if self.on_finish is not None:
             self.on_finish(rec, tr)

@@ -25,6 +25,10 @@ class ReplayRecord:
     rest_mass: torch.Tensor | None = None  # [n] float16 mass outside the top-k
     expert: str = "default"
     created: float = field(default_factory=time.monotonic)
+    # A guard sample: every verified position kept, whatever RecordConfig.keep says (recorder.py), so
+    # the guard scores drafts on positions the serving draft did not choose; held out of training
+    # while it is among the newest (guard.split_for_guard).
+    heldout: bool = False
 
     @property
     def nbytes(self) -> int:

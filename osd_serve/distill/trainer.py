@@ -148,11 +148,13 @@ class DistillTrainer:
         mask = mask.long()
         logits = self.student(input_ids=ids.clamp(max=max_input_id(self.student)).to(self.device), attention_mask=mask.to(self.device)).logits  # [B, L, V']
         rows_t, idx_t = torch.cat(rows).to(self.device), torch.cat(idx).to(self.device)
-        student = logits[rows_t, idx_t, : self.width]  # [N, W]
         # Rows come as wide as the target (full records), as the draft's vocab (student-sampled) or
-        # up to the largest top-k id: cut to the ids the student has, and renormalise what was cut.
-        cut = any(pr.shape[-1] > self.width for pr in p)
-        teacher_p = torch.cat([pr[:, : self.width] for pr in p]).to(self.device)  # [N, W]
+        # up to the largest top-k id: cut to the ids both have, and renormalise what was cut. A draft
+        # wider than the target (a padded embedding) is cut too, as serving cuts its logits (kv.fit_vocab).
+        width = min(self.width, *(pr.shape[-1] for pr in p))
+        student = logits[rows_t, idx_t, :width]  # [N, W]
+        cut = any(pr.shape[-1] > width for pr in p)
+        teacher_p = torch.cat([pr[:, :width] for pr in p]).to(self.device)  # [N, W]
         if cut:
             teacher_p = teacher_p / teacher_p.sum(-1, keepdim=True).clamp_min(_EPS)
         if self.cfg.chunk_size:
