@@ -78,6 +78,9 @@ def data(tok, tmp_path_factory):
     draft.save_pretrained(d)
     train, _ = _records(target, draft, tok, _prompts(len(tok), 24, 1))
     held, _ = _records(target, draft, tok, _prompts(len(tok), 12, 2))
+    for recs, is_held in ((train, False), (held, True)):  # guard samples: the held set (the recorder marks every fourth request)
+        for r in recs:
+            r.heldout = is_held
     return draft, str(d), train, held, len(tok)
 
 
