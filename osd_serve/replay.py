@@ -15,6 +15,7 @@ import gzip
 import json
 import math
 import random
+import shutil
 import sys
 import threading
 import time
@@ -203,6 +204,9 @@ def replay(target, draft, tokenizer, stream: list[dict], out_dir: str, params: S
     online_draft = copy.deepcopy(draft)
     eng = SpecEngine(target, online_draft, tokenizer, engine_cfg)
     trainer = DistillTrainer(online_draft, train_cfg, vocab=eng.vocab)
+    # This run's versions only: a store left by an earlier run into the same --out (perhaps of another
+    # draft) would otherwise be resumed from, and the online run must start from the draft given.
+    shutil.rmtree(out / "versions", ignore_errors=True)
     store = VersionStore(out / "versions", keep_last=5)
     dist = OnlineDistiller(eng, trainer, ReplayBuffer(buffer_cfg), store, guard_cfg, record_cfg)
     dist.start()

@@ -163,6 +163,25 @@ def test_versions_are_atomic_pruned_and_roll_back(tmp_path, models):
     assert [p.suffix for p in (tmp_path / "v000001").iterdir() if p.is_file()] .count(".bin") == 0
 
 
+def test_a_rollback_then_an_update_keeps_the_known_good_version(tmp_path, models):
+    """Roll back from a bad v2 to v0, train from v0 and publish v3: pruning by publish order deleted
+    v0 (v3's parent), and the default rollback re-served the bad v2."""
+    _, weak = models
+    store = VersionStore(tmp_path, keep_last=3)
+    states = [{n: t + i for n, t in weak.state_dict().items()} for i in range(5)]
+    for i in range(3):
+        store.publish(states[i])
+    assert store.rollback(0)[0] == 0
+    assert store.publish(states[3]) == 3 and store.parent(3) == 0
+    assert 0 in store.versions and (tmp_path / "v000000").exists()
+    v, st = store.rollback()  # back to what v3 was trained from
+    assert v == 0 and torch.equal(st["lm_head.weight"], states[0]["lm_head.weight"])
+    store.publish(states[4])  # v4, from v0
+    assert store.versions == [0, 2, 3, 4] and store.rollback()[0] == 0
+    with pytest.raises(ValueError, match="no older version"):
+        store.rollback()  # v0 was published first: it has no parent
+
+
 def test_watcher_swaps_in_what_another_process_publishes(tmp_path, models):
     """The ray_train backend's hot-swap path: a replica watches the shared store, the controller publishes."""
     _, weak = models
@@ -396,3 +415,47 @@ def test_a_draft_with_a_larger_padded_vocabulary_distils(tok):
         losses = tr.train(recs, steps=30)
         assert all(map(math.isfinite, losses)) and losses[-1] < losses[0]
         assert evaluate(tr.student, recs, len(tok) + 5)["expected_acceptance"] > before["expected_acceptance"]
+
+
+@torch.inference_mode()
+def test_a_restart_on_its_store_serves_and_trains_from_the_current_version(models, tok, tmp_path):
+    """A distiller started on a store it published into before labelled the draft with the store's
+    version while serving (and training from) the draft it was given."""
+    target, weak = models
+    store = VersionStore(tmp_path)
+    eng = SpecEngine(target, copy.deepcopy(weak), tok, EngineConfig(max_batch_size=8))
+    OnlineDistiller(eng, DistillTrainer(eng.draft, TrainConfig(mode="full")), ReplayBuffer(), store)
+    trained = {n: t + 0.01 for n, t in weak.state_dict().items()}
+    assert store.publish(trained) == 1
+    eng2 = SpecEngine(target, copy.deepcopy(weak), tok, EngineConfig(max_batch_size=8))
+    trainer = DistillTrainer(eng2.draft, TrainConfig(mode="full"))
+    dist = OnlineDistiller(eng2, trainer, ReplayBuffer(), VersionStore(tmp_path))
+    eng2.generate(_prompts(len(tok), 1, 5), SamplingParams(max_tokens=2))  # a step applies the swap
+    assert eng2.draft_version == 1
+    for got in (eng2.draft.state_dict(), dist.serving.state_dict(), trainer.serving_state()):
+        assert all(torch.equal(got[n], trained[n]) for n in trained)
+
+
+def test_lora_versions_name_the_weights_their_adapter_applies_over(models, tok, tmp_path):
+    """After a rollback the student is a fresh LoRA on that version's merged weights: its adapters
+    are deltas over that version, not over the draft as configured, and the meta must say so."""
+    from osd_serve.loading import attach_adapter
+
+    target, weak = models
+    eng = SpecEngine(target, copy.deepcopy(weak), tok, EngineConfig(max_batch_size=8))
+    trainer = DistillTrainer(eng.draft, TrainConfig(mode="lora", lr=1e-2, steps_per_update=4))
+    store = VersionStore(tmp_path)
+    dist = OnlineDistiller(eng, trainer, ReplayBuffer(), store, GuardConfig(tolerance=1.0))
+    recs, _ = _records(target, weak, tok, _prompts(len(tok), 16, 3), keep="all")
+    for r in recs:
+        dist.buffer.add(r)
+    assert dist.update().version == 1 and dist.update().version == 2
+    dist.rollback(1)
+    assert dist.update().version == 3
+    assert [store.meta(v)["adapter_base_version"] for v in (1, 2, 3)] == [0, 0, 1]
+    for v in (1, 2, 3):
+        base = copy.deepcopy(weak)
+        base.load_state_dict(store.load(store.meta(v)["adapter_base_version"]), strict=False)
+        merged = attach_adapter(base, "v", str(store.path(v) / "adapter")).merge_and_unload().state_dict()
+        want = store.load(v)
+        assert max(float((merged[n] - want[n]).abs().max()) for n in want) < 1e-5

@@ -57,6 +57,13 @@ class OnlineDistiller:
         self.error: str | None = None  # the last failed update's exception, for /admin/experts
         if store.current is None:  # version 0: the draft we started from, so rollback can reach it
             store.publish(trainer.serving_state(), {"reason": "initial draft"})
+            self._adapter_base = store.current
+        else:  # a store this draft was distilled into before (a restart): serve and train on from its current version
+            state = store.load(store.current)
+            engine.swap_draft(state, store.current)  # refuses a store of another draft's shapes
+            self.serving.load_state_dict(state, strict=False)
+            trainer.reset_to(state)
+            self._adapter_base = store.current  # LoRA mode: the adapters from here on apply over this version
         engine.draft_version = store.current
         engine.recorder = Recorder(record, on_finish=self._on_finish)
 
@@ -99,7 +106,9 @@ class OnlineDistiller:
             if verdict.publish:
                 meta = {"trigger": trigger, "expert": expert, "candidate": verdict.candidate,
                         "serving": verdict.serving, "loss_last": losses[-1] if losses else None}
-                writer = self.trainer.save_adapter if self.trainer.cfg.mode == "lora" else None
+                writer = None
+                if self.trainer.cfg.mode == "lora":  # the adapter is a delta over the version the LoRA was put on
+                    writer, meta["adapter_base_version"] = self.trainer.save_adapter, self._adapter_base
                 version = self.store.publish(state, meta, adapter_writer=writer)
                 self.serving.load_state_dict(state, strict=False)
                 self.trainer.commit()
@@ -123,6 +132,7 @@ class OnlineDistiller:
         version, state = self.store.rollback(to)
         self.serving.load_state_dict(state, strict=False)
         self.trainer.reset_to(state)
+        self._adapter_base = version
         self.engine.swap_draft(state, version)
         return version
 

@@ -2,9 +2,13 @@
 
 Layout under ``root``:
     v000003/draft.safetensors   serving weights (names of the draft's state_dict; LoRA merged)
-    v000003/adapter/            LoRA mode: the peft adapter (adapter_model.safetensors)
+    v000003/adapter/            LoRA mode: the peft adapter (adapter_model.safetensors), a delta over
+                                the weights of version meta["adapter_base_version"] (0, the draft as
+                                configured, until a rollback puts a fresh LoRA on a later version)
     v000003/meta.json           guard numbers, losses, trigger, time
-    manifest.json               {"current": 3, "versions": [1, 2, 3]}
+    manifest.json               {"current": 3, "versions": [1, 2, 3], "parents": {"3": 2, ...}}
+A version's parent is the one current when it was published (what it was trained from): the
+default rollback goes back to it, and pruning keeps it.
 A version directory is written under a temporary name and renamed into place, and the manifest is
 replaced with os.replace, so a crash leaves either the old state or the new one, never a half.
 Only safetensors: nothing here is ever unpickled.
@@ -98,16 +102,26 @@ class VersionStore:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         self.manifest["versions"].append(version)
+        self.manifest.setdefault("parents", {})[str(version)] = self.current
         self.manifest["current"] = version
         self._prune()
         self._write_manifest()
         return version
 
+    def parent(self, version: int) -> int | None:
+        return self.manifest.get("parents", {}).get(str(version))
+
     def _prune(self) -> None:
-        keep = self.manifest["versions"][-self.keep_last :]
-        for v in self.manifest["versions"][: -self.keep_last]:
-            shutil.rmtree(self.path(v), ignore_errors=True)
-        self.manifest["versions"] = keep
+        """The newest keep_last, and always the current version's parent: after a rollback to v0 and
+        an update from it, v0 is the known-good version the next rollback goes to."""
+        vs = self.manifest["versions"]
+        keep = set(vs[-self.keep_last :]) | {self.parent(self.current)}
+        for v in vs:
+            if v not in keep:
+                shutil.rmtree(self.path(v), ignore_errors=True)
+        self.manifest["versions"] = [v for v in vs if v in keep]
+        parents = self.manifest.get("parents", {})
+        self.manifest["parents"] = {k: p for k, p in parents.items() if int(k) in keep}
 
     def load(self, version: int | None = None) -> dict[str, torch.Tensor]:
         version = self.current if version is None else version
@@ -116,7 +130,8 @@ class VersionStore:
         return load_file(str(self.path(version) / "draft.safetensors"))
 
     def rollback(self, to: int | None = None) -> tuple[int, dict[str, torch.Tensor]]:
-        """Make an older kept version current (default: the one before current); returns it and its weights."""
+        """Make a kept version current (default: the current one's parent, the version it was trained
+        from); returns it and its weights."""
         with self._locked():
             return self._rollback(to)
 
@@ -125,10 +140,13 @@ class VersionStore:
             raise ValueError("no draft versions yet")
         vs = self.manifest["versions"]
         if to is None:
-            i = vs.index(self.current)
-            if i == 0:
+            if "parents" in self.manifest:
+                to = self.parent(self.current)
+            else:  # a manifest from before parents were recorded: the previous in publish order
+                i = vs.index(self.current)
+                to = vs[i - 1] if i else None
+            if to is None:
                 raise ValueError("no older version to roll back to")
-            to = vs[i - 1]
         state = self.load(to)
         self.manifest["current"] = to
         self._write_manifest()
