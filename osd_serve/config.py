@@ -12,7 +12,10 @@ from dataclasses import dataclass, field
 MAX_SPECULATIVE_TOKENS = 16
 # Bounds that fit the int64 tensors and the generator seed these become (the API's limits too).
 TOP_K_LIMIT = 2**31  # exclusive
-SEED_RANGE = (-(2**63), 2**64)  # [low, high)
+# [low, high): int64. torch.Generator.manual_seed takes a seed modulo 2**64, so a wider range would
+# accept two seeds (-1 and 2**64 - 1) that give one stream.
+SEED_RANGE = (-(2**63), 2**63)
+FLOAT32_MAX = 3.4028234663852886e38  # a temperature above it is inf in float32: every row NaN
 
 
 def _check(cond: bool, field_name: str, allowed: str, value: object) -> None:
@@ -39,10 +42,10 @@ class SamplingParams:
 
     def validate(self) -> None:
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "an integer >= 1", self.max_tokens)
-        _check(self.temperature >= 0.0, "temperature", ">= 0", self.temperature)
+        _check(0.0 <= self.temperature <= FLOAT32_MAX, "temperature", ">= 0 and finite in float32", self.temperature)
         _check(isinstance(self.top_k, int) and 0 <= self.top_k < TOP_K_LIMIT, "top_k", "an integer in [0, 2**31) (0 disables)", self.top_k)
         _check(self.seed is None or (isinstance(self.seed, int) and SEED_RANGE[0] <= self.seed < SEED_RANGE[1]), "seed",
-               "a 64-bit integer, in [-2**63, 2**64)", self.seed)
+               "a 64-bit integer, in [-2**63, 2**63)", self.seed)
         _check(0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]", self.top_p)
         _check(
             isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop) and len(self.stop) <= 16,

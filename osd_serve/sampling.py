@@ -11,6 +11,8 @@ residual norm(max(0, p - q)) is the one-hot of the target argmax, so one verifie
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -64,6 +66,11 @@ def logits_to_probs(
     one_hot.scatter_(1, greedy_tokens(logits).unsqueeze(1), 1.0)  # argmax ties -> first index
     if bool(greedy.all()):  # the common serving case: skip the sort and softmax it would discard
         return one_hot
+    # A logit that overflowed to +inf (float16 can) holds the row's whole mass, at any temperature:
+    # the limit of the softmax, and the token greedy picks. Shifted by the max it would be inf - inf,
+    # a NaN row that sampled token 0.
+    pos_inf = torch.isposinf(logits)  # [N, V]
+    logits = torch.where(pos_inf.any(dim=1, keepdim=True), torch.where(pos_inf, 0.0, -math.inf), logits)  # [N, V]
     # Greedy rows get temperature 1 only so the shared path below stays finite; they are replaced.
     temp = torch.where(greedy, torch.ones_like(temperature), temperature).float()  # [N]
     # The row max comes off first: a tiny temperature (1e-40 is a float32 subnormal) would make

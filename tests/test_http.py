@@ -96,7 +96,7 @@ def test_router_picks_experts_and_explicit_expert_wins(client):
     ({"prompt": "x", "stop": [""]}, "stop"),
     ({"prompt": "x", "stop": 5}, "stop"),
     ({"prompt": ["a", "b"]}, "prompt"),
-    ({"prompt": "x", "seed": 2**64}, "seed"),
+    ({"prompt": "x", "seed": 2**63}, "seed"),
     ({"prompt": "x", "top_k": 2**63}, "top_k"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),  # without stream
     ({"prompt": "x", "stream": True, "stream_options": {"usage": True}}, "stream_options.usage"),

@@ -165,3 +165,25 @@ def test_sample_from_probs_histogram():
     tokens = sample_from_probs(p.expand(n, v), torch.rand(n, generator=gen))  # [n]
     hist = torch.bincount(tokens, minlength=v).float() / n  # [V]
     assert 0.5 * (hist - p).abs().sum() < 0.01
+
+
+def test_an_overflowed_logit_holds_the_rows_mass():
+    """float16 logits can overflow to +inf: greedy picks that token; sampling gave a NaN row and token 0."""
+    logits = torch.tensor([[3.0, 1.0, float("inf"), 0.5], [3.0, float("inf"), 1.0, float("inf")]], dtype=torch.float16)
+    temp, k, p = torch.tensor([1.0, 0.7]), torch.tensor([0, 2]), torch.tensor([1.0, 0.9])
+    probs = logits_to_probs(logits, temp, k, p)
+    assert torch.equal(probs, torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.0, 0.5, 0.0, 0.5]]))
+    toks = sample_from_probs(probs.repeat(50, 1), torch.rand(100))
+    assert set(toks[0::2].tolist()) == {2} and set(toks[1::2].tolist()) <= {1, 3}
+
+
+@pytest.mark.parametrize("field, value", [("temperature", float("inf")), ("temperature", 1e39),
+                                          ("temperature", float("nan")), ("seed", 2**63), ("seed", -(2**63) - 1)])
+def test_parameters_that_cannot_be_honoured_are_refused(field, value):
+    """temperature inf made every draft row NaN (acceptance 0, silently); seeds s and s + 2**64 gave one stream."""
+    from osd_serve.config import SamplingParams
+
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+    SamplingParams(temperature=1e30, seed=-(2**63))  # the edges that are fine
+    SamplingParams(seed=2**63 - 1)
