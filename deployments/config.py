@@ -47,6 +47,9 @@ class DistillConfig(_Strict):
     # Record the target's distribution where the draft was rejected (the paper's choice), or everywhere.
     # mismatch measured as good for α at under a third of the bytes (benchmarks/OSD.md).
     keep: Literal["mismatch", "all"] = "mismatch"
+    # 0 keeps each recorded distribution in full (float16, 2 bytes x vocab per position: 0.3 MB at a
+    # 152k vocabulary); k keeps its top-k + the rest mass (a record over buffer_mb is dropped).
+    record_topk: int = Field(0, ge=0)
     buffer_mb: int = Field(256, ge=1)
     versions_dir: str = "~/.cache/osd-serve/versions"
     keep_versions: int = Field(5, ge=1)

@@ -142,7 +142,7 @@ class Verifier(_Batched):
 
             from .distiller import connect, start_heartbeat
 
-            recorder = Recorder(RecordConfig(keep=self.cfg.distill.keep), max_traces=1024)
+            recorder = Recorder(RecordConfig(keep=self.cfg.distill.keep, topk=self.cfg.distill.record_topk), max_traces=1024)
             self.buffer, controller = connect(self.cfg)
             start_heartbeat(controller, tag, lambda: (len(self.live), self.cfg.max_batch_size))
         self.core = TargetVerifier(target, vocab, recorder=recorder)

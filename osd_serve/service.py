@@ -81,7 +81,7 @@ class SpecService:
         d = cfg.distill
         self.watcher: VersionWatcher | None = None
         if d.enabled and record_sink is not None:
-            self._watch_versions(Path(os.path.expanduser(d.versions_dir)), record_sink, RecordConfig(keep=d.keep))
+            self._watch_versions(Path(os.path.expanduser(d.versions_dir)), record_sink, RecordConfig(keep=d.keep, topk=d.record_topk))
         elif d.enabled:
             root = Path(os.path.expanduser(d.versions_dir)) / replica_tag
             self._private_root = root if private_versions else None
@@ -91,7 +91,7 @@ class SpecService:
                 buf = ReplayBuffer(BufferConfig(max_bytes=d.buffer_mb << 20, trigger_records=d.trigger_records,
                                                 trigger_age_s=d.trigger_age_s))
                 dist = OnlineDistiller(eng, trainer, buf, VersionStore(root / name, d.keep_versions), GuardConfig(),
-                                       RecordConfig(keep=d.keep))
+                                       RecordConfig(keep=d.keep, topk=d.record_topk))
                 dist.on_update = self._update_hook(name)
                 dist.start()
                 self.distillers[name] = dist

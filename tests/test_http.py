@@ -246,3 +246,22 @@ def test_a_replicas_private_versions_are_removed_on_close(tok, tmp_path):
         own.close()
         shared.close()
     assert not (tmp_path / "r1").exists() and (tmp_path / "local" / "default").is_dir()
+
+
+def test_record_topk_reaches_the_recorders(tok, tmp_path):
+    target = llama(len(tok), seed=3)
+    cfg = AppConfig(distill={"versions_dir": str(tmp_path), "record_topk": 8}, wandb={"mode": "disabled"})
+    svc = SpecService(cfg, models=(target, perturbed(target, 0.05), tok))
+    try:
+        out = asyncio.run(_collect(svc.stream("default", "def f(x):", SamplingParams(max_tokens=8, temperature=0))))
+        assert out and svc.server.engines["default"].recorder.cfg.topk == 8
+        recs = list(svc.distillers["default"].buffer.shard("default").records)
+        assert recs and all(r.topk_ids is not None and r.probs.shape[-1] == 8 for r in recs)
+    finally:
+        svc.close()
+    with pytest.raises(ValueError, match="record_topk"):
+        AppConfig(distill={"record_topk": -1})
+
+
+async def _collect(gen):
+    return [d async for d in gen]
