@@ -262,9 +262,13 @@ class DisaggBackend:
         drafts = self.drafts.options(multiplexed_model_id=expert)
         verifier = self.verifier.options(session_id=req.request_id)
         try:
-            async for d in run_request(req, seed, self.tokenizer, self.eos, drafts.propose.remote, verifier.verify.remote):
-                yield {"text": d.text, "token_ids": d.token_ids, "finished": d.finished, "finish_reason": d.finish_reason,
-                       "prompt_tokens": len(ids)}
+            try:
+                async for d in run_request(req, seed, self.tokenizer, self.eos, drafts.propose.remote, verifier.verify.remote):
+                    yield {"text": d.text, "token_ids": d.token_ids, "finished": d.finished, "finish_reason": d.finish_reason,
+                           "prompt_tokens": len(ids)}
+            except Exception as e:  # noqa: BLE001  a failed call (a replica died, a batch raised): the API's error, as colocated
+                logging.getLogger(__name__).error("request %s failed: %r", req.request_id, e, exc_info=e)
+                yield {"text": "", "token_ids": [], "finished": True, "finish_reason": "error", "prompt_tokens": len(ids)}
         finally:  # finished, failed or the client went away: free the sequence on both sides, without waiting
             record = (req.prompt_ids, req.output_ids) if self.cfg.distill.enabled else ()
             release = self._release(drafts, verifier, req.request_id, expert, time.perf_counter() - t0, record)

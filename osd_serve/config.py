@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 MAX_SPECULATIVE_TOKENS = 16
 # Bounds that fit the int64 tensors and the generator seed these become (the API's limits too).
 TOP_K_LIMIT = 2**31  # exclusive
-# [low, high): int64. torch.Generator.manual_seed takes a seed modulo 2**64, so a wider range would
-# accept two seeds (-1 and 2**64 - 1) that give one stream.
+# [low, high): int64, hashed to the generator's 32-bit seed (sampling.seeded_generator). A wider
+# range would accept seeds that are one int64 (-1 and 2**64 - 1).
 SEED_RANGE = (-(2**63), 2**63)
 FLOAT32_MAX = 3.4028234663852886e38  # a temperature above it is inf in float32: every row NaN
 

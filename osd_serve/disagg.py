@@ -26,6 +26,7 @@ import torch
 from .engine import StepStats
 from .kv import BatchKV, pad_right
 from .output import Request, StreamDelta
+from .sampling import seeded_generator
 from .spec import RowState, accept, fit_vocab, propose
 
 _DRAFT, _AHEAD, _VERIFY = 1, 2, 3  # uniform streams: never share uniforms between these roles
@@ -34,8 +35,7 @@ _DRAFT, _AHEAD, _VERIFY = 1, 2, 3  # uniform streams: never share uniforms betwe
 def uniforms(seed: int, stream: int, position: int, n: int) -> torch.Tensor:
     """[n] uniforms that depend only on (seed, stream, position): any worker draws the same ones,
     so a sequence that moves to another worker keeps its seeded output. Positions only grow."""
-    g = torch.Generator().manual_seed((seed * 0x9E3779B97F4A7C15 + stream * 0xBF58476D1CE4E5B9 + position) % (1 << 63))
-    return torch.rand(n, generator=g)
+    return torch.rand(n, generator=seeded_generator(seed, stream, position))
 
 
 @dataclass
@@ -125,8 +125,11 @@ class SeqCaches:
         """The batch for these sequences, each cache rolled back to the longest prefix it shares with
         its history (leaving at least the last token to feed); returns it and what each row must feed."""
         if seq_ids != self.slab_ids:
+            staying = set(seq_ids)
             for sid, row in zip(self.slab_ids, self.slab.split()):
                 if sid in self.tokens:  # not released
+                    if sid not in staying:  # its own tensors, holes squeezed out: a view would keep
+                        row.compact()  # the whole old slab (every other row, the padding) alive
                     self._rows[sid] = row
             parts = []
             for sid in seq_ids:
@@ -138,8 +141,12 @@ class SeqCaches:
             self.slab, self.slab_ids = BatchKV.merge(self.model, self.device, parts), list(seq_ids)
             while len(self._rows) > self.max_seqs:  # sequences whose client never came back
                 self.tokens.pop(self._rows.popitem(last=False)[0], None)
-        keep = [min(_lcp(self.tokens[s], h), len(h) - 1) for s, h in zip(seq_ids, histories)]
+        # setdefault: a call queued before its sequence was released (the client went away) finds no
+        # entry; it recomputes that row instead of failing every sequence batched with it.
+        keep = [min(_lcp(self.tokens.setdefault(s, []), h), len(h) - 1) for s, h in zip(seq_ids, histories)]
         self.slab.truncate(torch.tensor(keep, device=self.device))
+        if self.slab.hole_fraction() > 0.5:  # rejected drafts leave holes; as the colocated engine does
+            self.slab.compact()
         return self.slab, [h[n:] for h, n in zip(histories, keep)]
 
     def set_tokens(self, seq_ids: list[str], tokens: list[list[int]]) -> None:
@@ -193,7 +200,9 @@ class DraftWorker:
                 out[i] = Proposal([], None, self.version)
         if todo:
             run = [items[i] for i in todo]
-            for i, p in zip(todo, self._draft(run, [it.history for it in run], [it.k for it in run], _DRAFT)):
+            kmax = max(it.k for it in run)
+            u = [uniforms(it.sampling.seed, _DRAFT, len(it.history), kmax) for it in run]
+            for i, p in zip(todo, self._draft(run, [it.history for it in run], [it.k for it in run], u)):
                 out[i] = p
         # Draft ahead for every sequence that proposed, from drafting ahead or not.
         live = [i for i, it in enumerate(items) if it.k > 0]
@@ -213,19 +222,26 @@ class DraftWorker:
             return
         items, props, nexts = [items[i] for i in keep], [props[i] for i in keep], [nexts[i] for i in keep]
         histories = [it.history + p.tokens for it, p in zip(items, props)]
-        for it, h, p in zip(items, histories, self._draft(items, histories, [n + 1 for n in nexts], _AHEAD)):
+        # The bonus guess draws from its own stream; the next step's proposals draw exactly what
+        # propose() would on a miss (the _DRAFT stream at that step's history length), so a seeded
+        # request's output does not depend on whether drafting ahead hit.
+        kmax = max(nexts)
+        u = [torch.cat([uniforms(it.sampling.seed, _AHEAD, len(h), 1), uniforms(it.sampling.seed, _DRAFT, len(h) + 1, kmax)])
+             for it, h in zip(items, histories)]
+        for it, h, p in zip(items, histories, self._draft(items, histories, [n + 1 for n in nexts], u)):
             probs = p.probs[1:] if p.probs is not None else None
             self._ahead[it.seq_id] = (h + p.tokens[:1], Proposal(p.tokens[1:], probs, p.version))
             self._ahead.move_to_end(it.seq_id)
         while len(self._ahead) > self.max_seqs:
             self._ahead.popitem(last=False)
 
-    def _draft(self, items: list[ProposeItem], histories: list[list[int]], ks: list[int], stream: int) -> list[Proposal]:
+    def _draft(self, items: list[ProposeItem], histories: list[list[int]], ks: list[int], u: list[torch.Tensor]) -> list[Proposal]:
+        """u: each row's uniforms, one per drafted column (at least max(ks))."""
         ids = [it.seq_id for it in items]
         kv, feeds = self.caches.gather(ids, histories)
         rows = _rows(items, feeds, self.device, ks)
         kmax = max(ks)
-        u = torch.stack([uniforms(it.sampling.seed, stream, len(it.history), kmax) for it in items]).to(self.device)  # [B, k]
+        u = torch.stack([x[:kmax] for x in u]).to(self.device)  # [B, k]
         tokens, probs, _ = propose(kv, rows, kmax, self.vocab, u)  # [B, k], [B, k, V]
         tokens = tokens.tolist()
         # The cache now holds the history and each row's first k_i - 1 proposals (the last is never fed).

@@ -20,6 +20,7 @@ from .config import EngineConfig, SamplingParams
 from .kv import BatchKV, pad_right
 from .loading import max_positions
 from .output import Completion, Request, StreamDelta, check_prompt, eos_token_ids
+from .sampling import seeded_generator
 from .spec import RowState, speculative_step
 
 
@@ -77,7 +78,7 @@ class SpecEngine:
         rid = request_id or f"req-{next(self._ids)}"
         gen = None
         if not params.greedy:
-            gen = torch.Generator().manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
+            gen = seeded_generator(params.seed if params.seed is not None else secrets.randbits(63))
         self.waiting.append(Request(rid, text, ids, params, gen, expert=expert))
         return rid
 

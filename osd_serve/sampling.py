@@ -98,3 +98,24 @@ def sample_from_probs(
     positions = torch.arange(v, device=probs.device)  # [V]
     last_nonzero = torch.where(probs > 0, positions, 0).amax(dim=-1)  # [N]
     return torch.minimum(idx, last_nonzero).long()  # [N]
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(z: int) -> int:
+    z = (z + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def seeded_generator(*key: int) -> torch.Generator:
+    """A CPU generator for an integer key (a request's seed; the disaggregated path adds stream and
+    position). torch's CPU generator (mt19937) keeps only the low 32 bits of its seed, so seeds that
+    differ above bit 31 (5 and 5 + 2**32) gave one stream: the key is mixed with splitmix64 and
+    folded to 32 bits, and two keys then share a stream with probability 2**-32."""
+    x = 0
+    for part in key:
+        x = _splitmix64(x ^ (part & _MASK64))
+    return torch.Generator().manual_seed((x ^ (x >> 32)) & 0xFFFFFFFF)

@@ -375,3 +375,88 @@ def test_drafted_ahead_proposals_are_bounded(tok):
         worker.propose([disagg.ProposeItem(f"s{i}", p, 2, disagg.Sampling())])
         worker.draft_ahead()
     assert list(worker._ahead) == ["s3", "s4"]
+
+
+def test_a_call_queued_before_its_release_does_not_fail_its_batch(tok):
+    """A released sequence's verify (or propose) already queued, batched with the same sequences as the
+    call before, raised KeyError: @serve.batch gives that to every request in the batch."""
+    target = llama(len(tok), seed=3)
+    ver, dw = TargetVerifier(target, len(tok)), DraftWorker(perturbed(target, 0.05), len(tok), ahead=False)
+    pa, pb = _prompts(len(tok), n=2, seed=4)
+    s = disagg.Sampling()
+    items = [disagg.VerifyItem("A", pa, [], None, s), disagg.VerifyItem("B", pb, [], None, s)]
+    first = ver.verify(items)[0]
+    ver.release("A")
+    assert [v.tokens for v in ver.verify(items)[0]] == [v.tokens for v in first]
+    props = [disagg.ProposeItem("A", pa, 2, s), disagg.ProposeItem("B", pb, 2, s)]
+    before = dw.propose(props)
+    dw.release("A")
+    assert [p.tokens for p in dw.propose(props)] == [p.tokens for p in before]
+
+
+def test_seeded_output_does_not_depend_on_drafting_ahead(tok):
+    """Drafted-ahead proposals drew other uniforms than a normal proposal, so a seeded sampled request
+    changed with draft_ahead and with which draft replica served each step."""
+    target = llama(len(tok), seed=3)
+    draft = perturbed(target, 0.01)
+    prompts = _prompts(len(tok), n=3, seed=2)
+    params = SamplingParams(max_tokens=30, temperature=1.0, num_speculative_tokens=3, ignore_eos=True, seed=7)
+    outs = {}
+    for ahead, workers, move in ((True, 1, 0.0), (False, 1, 0.0), (True, 2, 0.5)):
+        reqs, drafts, _, _ = _serve(target, draft, tok, prompts, params, workers=workers, move=move, ahead=ahead)
+        outs[(ahead, workers)] = [r.output_ids for r in reqs]
+        if ahead and workers == 1:
+            assert sum(d.hits for d in drafts) > 0  # drafting ahead did hit
+    assert outs[(True, 1)] == outs[(False, 1)] == outs[(True, 2)]
+
+
+def test_the_caches_squeeze_out_holes_and_own_their_rows(tok):
+    """Rejected drafts leave holes that were never compacted (the slab grew to 2.4x the longest row),
+    and rows split off a batch were views that kept the whole old slab alive."""
+    target = llama(len(tok), seed=3)
+    params = SamplingParams(max_tokens=60, num_speculative_tokens=8, ignore_eos=True)
+    reqs, drafts, verifiers, _ = _serve(target, perturbed(target, 0.3), tok, _prompts(len(tok), n=6, seed=5), params)
+    for w in verifiers:
+        slab = w.caches.slab
+        assert slab.batch_size == 0 or slab.width <= 2 * int(slab.length.max())
+        for row in w.caches._rows.values():
+            for layer in row._layers():
+                assert layer.keys is None or layer.keys.untyped_storage().nbytes() == layer.keys.numel() * layer.keys.element_size()
+
+
+def test_a_failed_step_ends_the_request_with_the_apis_error(tok):
+    """A verify call that raised (a replica died, a batch failed) escaped the backend: a bare text 500,
+    or a stream cut off with no error event and no [DONE]. Now it ends as a colocated failure does."""
+    pytest.importorskip("ray.serve")
+    from fastapi.testclient import TestClient
+
+    from deployments.api import make_app
+    from deployments.config import AppConfig
+    from deployments.disagg import DisaggBackend
+
+    target = llama(len(tok), seed=3)
+    worker, verifier = DraftWorker(perturbed(target, 0.05), len(tok)), TargetVerifier(target, len(tok))
+    n = {"verify": 0}
+
+    async def propose(item):
+        return worker.propose([item])[0]
+
+    async def verify(item):
+        n["verify"] += 1
+        if n["verify"] % 3 == 0:
+            raise RuntimeError("verifier replica died (simulated)")
+        return verifier.verify([item])[0][0]
+
+    async def release(seq_id, *_):
+        return None
+
+    cfg = AppConfig(distill={"enabled": False})
+    backend = DisaggBackend(cfg)
+    backend.tokenizer, backend.vocab, backend.max_len, backend.eos, backend._ready = tok, len(tok), 512, set(), True
+    backend.drafts, backend.verifier = _Handle(propose=propose, release=release), _Handle(verify=verify, release=release)
+    client = TestClient(make_app(backend, cfg))
+    body = {"prompt": "def g(", "max_tokens": 40, "ignore_eos": True, "temperature": 0}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    events = client.post("/v1/completions", json=body | {"stream": True}).text.strip().split("\n\n")
+    assert '"error"' in events[-2] and events[-1] == "data: [DONE]"

@@ -187,3 +187,16 @@ def test_parameters_that_cannot_be_honoured_are_refused(field, value):
         SamplingParams(**{field: value})
     SamplingParams(temperature=1e30, seed=-(2**63))  # the edges that are fine
     SamplingParams(seed=2**63 - 1)
+
+
+def test_seeds_that_differ_above_bit_31_give_different_streams():
+    """torch's CPU generator keeps the low 32 bits of its seed: 5 and 5 + 2**32 gave one stream,
+    in the engine and in the disaggregated path's position-keyed uniforms."""
+    from osd_serve.disagg import uniforms
+    from osd_serve.sampling import seeded_generator
+
+    draw = lambda *key: torch.rand(4, generator=seeded_generator(*key)).tolist()  # noqa: E731
+    assert draw(5) == draw(5) and draw(5) != draw(5 + 2**32) and draw(-1) != draw(2**63 - 1)
+    assert draw(5, 1, 10) != draw(5 + 2**32, 1, 10) and draw(5, 1, 10) != draw(5, 2, 10) != draw(5, 2, 11)
+    assert not torch.equal(uniforms(-1, 3, 10, 4), uniforms(-1 + 2**63, 3, 10, 4))
+    assert not torch.equal(uniforms(7, 1, 10, 4), uniforms(7 + 2**40, 1, 10, 4))
