@@ -6,7 +6,7 @@
 # cost up to 2x its 1-row GEMV while oneDNN's bf16 GEMM was flat in the row count (what speculation's
 # one-forward verification assumes), on another (AVX512-BF16, no AMX) bf16 was the slower of the two
 # (0.74-0.86x fp32), about even (0.85-1.00x) once the target's linears were prepacked (kernels/
-# cpu_linear.py), and 0.79-0.82x once fp32's few-row calls went to kernels/cpu_skinny.cpp; each
+# cpu_linear.py), and 0.74-0.83x at the best k once fp32's few-row calls went to kernels/cpu_skinny.cpp; each
 # report records its CPU (benchmarks/ENGINE.md). DTYPES="float32" (or "bfloat16") runs one only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -39,6 +39,6 @@ fi
   printf 'On the 2-core host the 30M-parameter target sits in L3, and the float32 linears reach 200-240 GFLOP/s,\n'
   printf 'about the FMA peak, from 12-16 rows on (`results/cpu_linear.jsonl`): a batch-8 verification has\n'
   printf '8(k+1) >= 16 rows, so its linears cost in proportion to its rows and v grows with k (column v).\n'
-  printf 'At batch 1 (k+1 rows) v is 1.1-1.2 up to k = 5, split about evenly between the linears and attention with the elementwise ops.\n\n'
+  printf 'At batch 1 (k+1 rows) v is 1.08-1.22 in float32 and 1.12-1.35 in bfloat16 up to k = 5 (the tables below), split about evenly\nbetween the linears and attention with the elementwise ops.\n\n'
   python -m osd_serve.bench "$out"/engine_*.json
 } | tee benchmarks/ENGINE.md

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import statistics
+import subprocess
 import time
+from pathlib import Path
 from dataclasses import asdict, dataclass
 
 import torch
@@ -19,6 +21,7 @@ from kernels.cpu_linear import SKINNY_MAX_ROWS, PackedLinear
 from .config import EngineConfig, SamplingParams
 from .engine import SpecEngine
 from .kv import BatchKV, pad_left
+from .output import eos_token_ids
 
 
 def analytic_speedup(alpha: float, k: int, c: float, verify_cost: float = 1.0) -> float:
@@ -133,6 +136,34 @@ def cpu_info() -> dict:
     return {"model": field("model name"), "bf16_flags": sorted(flags & {"avx512_bf16", "amx_bf16", "amx_tile"})}
 
 
+HF_ASSISTED_BATCH = 1  # transformers raises "assisted generate is only supported for batch_size = 1"
+
+
+def hf_assisted_settings(draft) -> dict:
+    """How HF's assisted generation drafts with this draft: its generation config's values, else the
+    defaults transformers applies when they are unset."""
+    from transformers import GenerationConfig
+
+    defaults = getattr(GenerationConfig, "_get_default_generation_params", lambda: {})()
+    names = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
+    return {n: v if (v := getattr(draft.generation_config, n, None)) is not None else defaults.get(n) for n in names}
+
+
+def code_version() -> dict:
+    """Which code a report measured: the git commit (and whether the tree had changes) and the libraries."""
+    import transformers
+
+    root = Path(__file__).resolve().parent.parent
+    git = lambda *a: subprocess.run(["git", *a], cwd=root, capture_output=True, text=True, timeout=10)  # noqa: E731
+    try:
+        sha, status = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
+        commit = sha.stdout.strip() if sha.returncode == 0 else None
+        dirty = bool(status.stdout.strip()) if status.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):  # no git: an installed copy
+        commit, dirty = None, None
+    return {"git": commit, "dirty": dirty, "torch": torch.__version__, "transformers": transformers.__version__}
+
+
 @dataclass
 class DecoderResult:
     name: str
@@ -162,21 +193,22 @@ class DecoderResult:
 
 
 def _hf_generate(model, tok, prompts: list[list[int]], max_tokens: int, batch: int, assistant=None) -> list[list[int]]:
-    """HF generate, greedy. Assisted generation only supports batch 1 in transformers, so it runs per prompt."""
+    """HF generate, greedy. Assisted generation only supports batch 1 in transformers, so it runs per
+    prompt whatever ``batch`` is (reported as such: HF_ASSISTED_BATCH). It stops at the EOS ids the
+    engine stops at (the tokenizer's where the generation config has none)."""
     outs: list[list[int]] = []
-    step = 1 if assistant is not None else batch
+    step = HF_ASSISTED_BATCH if assistant is not None else batch
+    eos = sorted(eos_token_ids(model, tok))
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     for i in range(0, len(prompts), step):
         chunk = prompts[i : i + step]
         ids, mask = pad_left(chunk, pad)
         ids, mask, width = ids.to(model.device), mask.to(model.device), ids.shape[1]
-        kw = dict(max_new_tokens=max_tokens, do_sample=False, pad_token_id=pad, attention_mask=mask)
+        kw = dict(max_new_tokens=max_tokens, do_sample=False, pad_token_id=pad, attention_mask=mask, eos_token_id=eos or None)
         if assistant is not None:
             kw["assistant_model"] = assistant
         gen = model.generate(ids, **kw)[:, width:]
         for row in gen.tolist():
-            eos = model.generation_config.eos_token_id
-            eos = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
             cut = next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
             outs.append(row[:cut])
     return outs
@@ -298,6 +330,7 @@ def run_bench(
             "target_alone_tok_s": a.tokens_per_s,
             "engine_k0_tok_s": k0.tokens_per_s,
             "hf_assisted_tok_s": b.tokens_per_s,
+            "hf_assisted_batch_size": HF_ASSISTED_BATCH,
             "hf_assisted_mismatch": b.mismatch,
             "best_k": best.k,
             "best_engine_tok_s": best.tokens_per_s,
@@ -338,6 +371,12 @@ def run_bench(
         log(json.dumps({f"batch_{bs}": {k: v for k, v in summary[f"batch_{bs}"].items() if k != "per_k"}}, indent=1))
     return {
         "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "attn_implementation": getattr(target.config, "_attn_implementation", None),
+        "code": code_version(),
+        # HF's defaults for the draft, what (b) ran with: it drafts up to num_assistant_tokens and
+        # stops early below the confidence threshold, whatever the engine's k
+        "hf_assisted_settings": hf_assisted_settings(draft),
         "dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
         "cpu": cpu_info(),
         "threads": torch.get_num_threads(),
@@ -379,9 +418,11 @@ def summary_table(report: dict, title: str) -> str:
         + (f"target linears on oneDNN prepacked weights ({n}), " if (n := report.get("target_packed_linears")) else "")
         + (f"float32 calls of <= {SKINNY_MAX_ROWS} rows on kernels/cpu_skinny.cpp, " if report.get("target_skinny_kernel") else "")
         + f"median of {report.get('repeats', 1)} interleaved run(s) per decoder"
-        + (f"; CPU {cpu['model']}, native bf16: {', '.join(cpu['bf16_flags']) or 'none'}" if (cpu := report.get("cpu")) else ""),
+        + (f"; GPU {report['gpu']}, attention {report.get('attn_implementation')}" if report.get("gpu") else
+           f"; CPU {cpu['model']}, native bf16: {', '.join(cpu['bf16_flags']) or 'none'}" if (cpu := report.get("cpu")) else "")
+        + (f"; code {c['git']}{' (uncommitted changes)' if c['dirty'] else ''}" if (c := report.get("code")) and c.get("git") else ""),
         "",
-        "| batch | c | best k | α | target alone tok/s | HF assisted tok/s | engine k=0 tok/s | engine tok/s | (c)/(a) | (c)/(b) | analytic S | measured/analytic | v | measured/S(v) | prefill share | measured/analytic, no prefill |",
+        "| batch | c | best k | α | target alone tok/s | HF assisted tok/s (batch 1) | engine k=0 tok/s | engine tok/s | (c)/(a) | (c)/(b) | analytic S | measured/analytic | v | measured/S(v) | prefill share | measured/analytic, no prefill |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, s in report["summary"].items():
@@ -393,6 +434,13 @@ def summary_table(report: dict, title: str) -> str:
             f"{_f(s.get('prefill_share_at_best_k'))} | {_f(s.get('measured_decode_only_over_analytic'))} |"
         )
     rows += [
+        "",
+        "HF assisted (b): transformers runs assisted generation at batch 1 only, so it decodes the prompts one at "
+        "a time at every batch size, with the draft's own HF drafting settings ("
+        + (", ".join(f"{n} {v}" for n, v in hf.items()) if (hf := report.get("hf_assisted_settings"))
+           else "not recorded in this report; HF's defaults drafted up to 20 tokens a step, stopping below confidence 0.4")
+        + "), whatever the engine's k. At batch 8, (c)/(b) therefore compares the engine's batch with what HF's "
+        "assisted generation can do for the same requests.",
         "",
         "v = one target forward over k+1 tokens ÷ one over 1 token (the paper's S assumes v = 1); S(v) puts the measured v in. "
         "Prefill share: the engine's time prefilling prompts at that k, which S does not model; the last column "

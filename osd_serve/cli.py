@@ -251,11 +251,13 @@ def main(argv: list[str] | None = None) -> None:
     _pair_args(n)
     n.add_argument("--prompts", metavar="FILE.jsonl", help="default: prompts.jsonl beside the pair")
     n.add_argument("--num-prompts", type=_at_least(1), default=16)
-    n.add_argument("--max-tokens", type=_at_least(1), default=64)
+    # >= 2: with one token per prompt nothing is drafted, so there is no acceptance to measure
+    n.add_argument("--max-tokens", type=_at_least(2), default=64)
     n.add_argument("--batch-sizes", type=_batch_sizes, default=[1, 8], help="comma-separated, e.g. 1,8")
     n.add_argument("--max-k", type=_at_least(1), default=8)
     n.add_argument("--threads", type=_at_least(0), default=0, help="torch threads (default: torch's choice)")
-    n.add_argument("--repeats", type=_at_least(1), default=1, help="time each decoder this many times, interleaved; keep the median")
+    n.add_argument("--repeats", type=_at_least(1), default=3,
+                   help="time each decoder this many times, interleaved; keep the median (one round: the first run of each shape is slow)")
     n.add_argument("--out", metavar="FILE.json")
     n.set_defaults(fn=cmd_bench)
 

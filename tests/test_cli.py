@@ -7,6 +7,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
+
+from osd_serve.bench import summary_table
 
 
 def _cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
@@ -70,11 +73,16 @@ def test_bench_report_is_complete_and_lossless(tiny_pair, tmp_path):
     assert r.returncode == 0, r.stderr
     rep = json.loads(out.read_text())
     assert rep["dtype"] == "float32" and rep["prompts"] == 3
+    # what was measured: the code (a clone of this repository has its commit), the attention path, no GPU
+    assert rep["code"]["git"] and rep["code"]["torch"] == torch.__version__
+    assert rep["gpu"] is None and rep["attn_implementation"] == "sdpa"
+    assert rep["hf_assisted_settings"]["num_assistant_tokens"] >= 1  # HF's own drafting rule, whatever the engine's k
+    assert "HF assisted tok/s (batch 1)" in summary_table(rep, "t")  # HF assists one prompt at a time
     if sys.platform == "linux":  # the host is recorded: reports from different CPUs are not comparable
         assert rep["cpu"]["model"] and set(rep["cpu"]["bf16_flags"]) <= {"avx512_bf16", "amx_bf16", "amx_tile"}
     for bs in ("batch_1", "batch_2"):
         s = rep["summary"][bs]
-        assert s["c"] > 0 and s["target_alone_tok_s"] > 0 and s["hf_assisted_tok_s"] > 0
+        assert s["c"] > 0 and s["target_alone_tok_s"] > 0 and s["hf_assisted_tok_s"] > 0 and s["hf_assisted_batch_size"] == 1
         for k in ("1", "2"):
             r = s["per_k"][k]
             assert 0 <= r["outputs_match_target"] <= 3 and 0 <= r["alpha"] <= 1
@@ -148,6 +156,7 @@ def test_bad_options_and_paths_are_one_line_errors(tmp_path, capsys):
     pair = ["--target", str(tmp_path), "--draft", str(tmp_path)]
     cases = [
         (["bench", "--max-k", "0"], "--max-k: must be >= 1"),
+        (["bench", "--max-tokens", "1"], "--max-tokens: must be >= 2"),  # nothing drafted: it failed after the whole run
         (["bench", "--batch-sizes", "1,x"], "--batch-sizes: expected an integer"),
         (["generate", "--prompts", str(good), "--max-tokens", "-1"], "--max-tokens: must be >= 1"),
         (["generate", "--prompts", str(good), "--out", str(tmp_path / "no" / "o.jsonl")], "does not exist"),
