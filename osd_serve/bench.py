@@ -10,18 +10,18 @@ import json
 import statistics
 import subprocess
 import time
-from pathlib import Path
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from kernels.cpu_linear import SKINNY_MAX_ROWS, PackedLinear
 
+from .bench_hf import HF_ASSISTED_BATCH, hf_assisted_settings, hf_generate, hf_matched_k
 from .config import EngineConfig, SamplingParams
 from .engine import SpecEngine
-from .kv import BatchKV, pad_left
-from .output import eos_token_ids
+from .kv import BatchKV
 
 
 def analytic_speedup(alpha: float, k: int, c: float, verify_cost: float = 1.0) -> float:
@@ -136,19 +136,6 @@ def cpu_info() -> dict:
     return {"model": field("model name"), "bf16_flags": sorted(flags & {"avx512_bf16", "amx_bf16", "amx_tile"})}
 
 
-HF_ASSISTED_BATCH = 1  # transformers raises "assisted generate is only supported for batch_size = 1"
-
-
-def hf_assisted_settings(draft) -> dict:
-    """How HF's assisted generation drafts with this draft: its generation config's values, else the
-    defaults transformers applies when they are unset."""
-    from transformers import GenerationConfig
-
-    defaults = getattr(GenerationConfig, "_get_default_generation_params", lambda: {})()
-    names = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
-    return {n: v if (v := getattr(draft.generation_config, n, None)) is not None else defaults.get(n) for n in names}
-
-
 def code_version() -> dict:
     """Which code a report measured: the git commit (and whether the tree had changes) and the libraries."""
     import transformers
@@ -190,28 +177,6 @@ class DecoderResult:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds
-
-
-def _hf_generate(model, tok, prompts: list[list[int]], max_tokens: int, batch: int, assistant=None) -> list[list[int]]:
-    """HF generate, greedy. Assisted generation only supports batch 1 in transformers, so it runs per
-    prompt whatever ``batch`` is (reported as such: HF_ASSISTED_BATCH). It stops at the EOS ids the
-    engine stops at (the tokenizer's where the generation config has none)."""
-    outs: list[list[int]] = []
-    step = HF_ASSISTED_BATCH if assistant is not None else batch
-    eos = sorted(eos_token_ids(model, tok))
-    pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-    for i in range(0, len(prompts), step):
-        chunk = prompts[i : i + step]
-        ids, mask = pad_left(chunk, pad)
-        ids, mask, width = ids.to(model.device), mask.to(model.device), ids.shape[1]
-        kw = dict(max_new_tokens=max_tokens, do_sample=False, pad_token_id=pad, attention_mask=mask, eos_token_id=eos or None)
-        if assistant is not None:
-            kw["assistant_model"] = assistant
-        gen = model.generate(ids, **kw)[:, width:]
-        for row in gen.tolist():
-            cut = next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
-            outs.append(row[:cut])
-    return outs
 
 
 def _timed(fn):
@@ -260,15 +225,16 @@ def run_bench(
     results: list[DecoderResult] = []
     summary = {}
     # Warm-up every path once so lazy initialisation is not timed.
-    _hf_generate(target, tok, ids[:1], 4, 1)
-    _hf_generate(target, tok, ids[:1], 4, 1, assistant=draft)
+    hf_generate(target, tok, ids[:1], 4, 1)
+    hf_generate(target, tok, ids[:1], 4, 1, assistant=draft)
     SpecEngine(target, draft, tok).generate(ids[:1], SamplingParams(max_tokens=4))
     for bs in batch_sizes:
         engine_ks = list(ks) + [0]
         decoders = {
-            "a": lambda: (_hf_generate(target, tok, ids, max_tokens, bs), None),
-            "b": lambda: (_hf_generate(target, tok, ids, max_tokens, bs, assistant=draft), None),
-        } | {k: (lambda k=k: _engine_run(target, draft, tok, ids, bs, max_tokens, k)) for k in engine_ks}
+            "a": lambda: (hf_generate(target, tok, ids, max_tokens, bs), None),
+            "b": lambda: (hf_generate(target, tok, ids, max_tokens, bs, assistant=draft), None),
+        } | {f"b{k}": (lambda k=k: hf_matched_k(target, tok, ids, max_tokens, draft, k)) for k in ks} \
+          | {k: (lambda k=k: _engine_run(target, draft, tok, ids, bs, max_tokens, k)) for k in engine_ks}
         first, times, ratios = {}, {name: [] for name in decoders}, {name: [] for name in ["c", *ks]}
         prefill, full_rate = {k: [] for k in engine_ks}, {k: [] for k in engine_ks}
         for _ in tqdm(range(repeats), desc=f"batch {bs}: {repeats} round(s) of {len(decoders)} decoders"):
@@ -290,6 +256,12 @@ def run_bench(
         m = mismatches(target, ids, hf_asst, ref)
         b = DecoderResult("hf_assisted", bs, sum(map(len, hf_asst)), t["b"], outputs_match_target=len(ref) - m["differ"], mismatch=m)
         results += [a, b]
+        b_k = {}  # HF assisted drafting the engine's k (batch 1, as (b))
+        for k in ks:
+            m = mismatches(target, ids, first[f"b{k}"][0], ref)
+            b_k[k] = DecoderResult("hf_assisted_matched_k", bs, sum(map(len, first[f"b{k}"][0])), t[f"b{k}"], k=k,
+                                   outputs_match_target=len(ref) - m["differ"], mismatch=m)
+        results += list(b_k.values())
         log(f"[batch {bs}] c={c:.3f}  target alone {a.tokens_per_s:.1f} tok/s  HF assisted {b.tokens_per_s:.1f} tok/s")
         per_k = {}
         for k in engine_ks:
@@ -338,6 +310,7 @@ def run_bench(
             "speedup_vs_target_alone": best.tokens_per_s / a.tokens_per_s,
             "speedup_vs_engine_k0": measured(best),
             "speedup_vs_hf_assisted": best.tokens_per_s / b.tokens_per_s,
+            "speedup_vs_hf_assisted_matched_k": best.tokens_per_s / b_k[best.k].tokens_per_s,
             "analytic_speedup_at_best_k": best.analytic_speedup,
             # measured over analytic, with the plain-decoding baseline of the same loop (k=0)
             "measured_over_analytic": measured(best) / best.analytic_speedup,
@@ -350,6 +323,8 @@ def run_bench(
                     "tok_s": r.tokens_per_s, "alpha": r.alpha, "tokens_per_target_forward": r.tokens_per_target_forward,
                     "analytic_speedup": r.analytic_speedup, "speedup_vs_target_alone": r.tokens_per_s / a.tokens_per_s,
                     "speedup_vs_hf_assisted": r.tokens_per_s / b.tokens_per_s,
+                    "hf_assisted_matched_k_tok_s": b_k[k].tokens_per_s,
+                    "speedup_vs_hf_assisted_matched_k": r.tokens_per_s / b_k[k].tokens_per_s,
                     "measured_over_analytic": measured(r) / r.analytic_speedup,
                     "verify_cost": r.verify_cost, "analytic_speedup_measured_v": r.analytic_speedup_measured_v,
                     "measured_over_analytic_measured_v": measured(r) / r.analytic_speedup_measured_v,
@@ -422,14 +397,15 @@ def summary_table(report: dict, title: str) -> str:
            f"; CPU {cpu['model']}, native bf16: {', '.join(cpu['bf16_flags']) or 'none'}" if (cpu := report.get("cpu")) else "")
         + (f"; code {c['git']}{' (uncommitted changes)' if c['dirty'] else ''}" if (c := report.get("code")) and c.get("git") else ""),
         "",
-        "| batch | c | best k | α | target alone tok/s | HF assisted tok/s (batch 1) | engine k=0 tok/s | engine tok/s | (c)/(a) | (c)/(b) | analytic S | measured/analytic | v | measured/S(v) | prefill share | measured/analytic, no prefill |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| batch | c | best k | α | target alone tok/s | HF assisted tok/s (batch 1) | engine k=0 tok/s | engine tok/s | (c)/(a) | (c)/(b) | (c)/(b, k matched) | analytic S | measured/analytic | v | measured/S(v) | prefill share | measured/analytic, no prefill |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, s in report["summary"].items():
         rows.append(
             f"| {name.split('_')[1]} | {s['c']:.3f} | {s['best_k']} | {s['alpha_at_best_k']:.3f} | {s['target_alone_tok_s']:.1f} | "
             f"{s['hf_assisted_tok_s']:.1f} | {s['engine_k0_tok_s']:.1f} | {s['best_engine_tok_s']:.1f} | "
-            f"{s['speedup_vs_target_alone']:.2f} | {s['speedup_vs_hf_assisted']:.2f} | {s['analytic_speedup_at_best_k']:.2f} | "
+            f"{s['speedup_vs_target_alone']:.2f} | {s['speedup_vs_hf_assisted']:.2f} | {_f(s.get('speedup_vs_hf_assisted_matched_k'))} | "
+            f"{s['analytic_speedup_at_best_k']:.2f} | "
             f"{s['measured_over_analytic']:.2f} | {_f(s.get('verify_cost_at_best_k'))} | {_f(s.get('measured_over_analytic_measured_v'))} | "
             f"{_f(s.get('prefill_share_at_best_k'))} | {_f(s.get('measured_decode_only_over_analytic'))} |"
         )
@@ -439,7 +415,8 @@ def summary_table(report: dict, title: str) -> str:
         "a time at every batch size, with the draft's own HF drafting settings ("
         + (", ".join(f"{n} {v}" for n, v in hf.items()) if (hf := report.get("hf_assisted_settings"))
            else "not recorded in this report; HF's defaults drafted up to 20 tokens a step, stopping below confidence 0.4")
-        + "), whatever the engine's k. At batch 8, (c)/(b) therefore compares the engine's batch with what HF's "
+        + "), whatever the engine's k; (b, k matched) is HF assisted drafting exactly the engine's k, with no "
+        "confidence cut-off. At batch 8, (c)/(b) therefore compares the engine's batch with what HF's "
         "assisted generation can do for the same requests.",
         "",
         "v = one target forward over k+1 tokens ÷ one over 1 token (the paper's S assumes v = 1); S(v) puts the measured v in. "
@@ -453,10 +430,10 @@ def summary_table(report: dict, title: str) -> str:
         "Full batch: the same ratio over only the steps that ran a full batch, their draft and target time only "
         "(a loaded server's steady state: no drain at the end of the workload, no prefill).",
         "",
-        "| batch | k | α | tokens/target fwd | tokens/fwd ÷ i.i.d. | uncut ÷ i.i.d. | rows/step | analytic S | (c)/(a) | (c)/(b) | "
+        "| batch | k | α | tokens/target fwd | tokens/fwd ÷ i.i.d. | uncut ÷ i.i.d. | rows/step | analytic S | (c)/(a) | (c)/(b) | (c)/(b, k matched) | "
         "measured/analytic | v | S(v) | measured/S(v) | measured/S(v, tokens) | measured/analytic, no prefill | "
         "full batch: measured/analytic | outputs = target |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, s in report["summary"].items():
         for k, r in s["per_k"].items():
@@ -468,7 +445,8 @@ def summary_table(report: dict, title: str) -> str:
                 f"| {name.split('_')[1]} | {k} | {r['alpha']:.3f} | {r['tokens_per_target_forward']:.2f} | "
                 f"{r['tokens_over_expected']:.2f} | {_f(r['uncut_tokens_over_expected'])} | {_f(r.get('rows_per_step'))} | "
                 f"{r['analytic_speedup']:.2f} | "
-                f"{r['speedup_vs_target_alone']:.2f} | {r['speedup_vs_hf_assisted']:.2f} | {r['measured_over_analytic']:.2f} | "
+                f"{r['speedup_vs_target_alone']:.2f} | {r['speedup_vs_hf_assisted']:.2f} | {_f(r.get('speedup_vs_hf_assisted_matched_k'))} | "
+                f"{r['measured_over_analytic']:.2f} | "
                 f"{_f(r.get('verify_cost'))} | {_f(r.get('analytic_speedup_measured_v'))} | "
                 f"{_f(r.get('measured_over_analytic_measured_v'))} | {_f(r['measured_over_analytic_measured_v_tokens'])} | "
                 f"{_f(r.get('measured_decode_only_over_analytic'))} | {_f(r.get('full_batch_measured_over_analytic'))} | "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -102,6 +103,7 @@ def test_bench_report_is_complete_and_lossless(tiny_pair, tmp_path):
                 r["tokens_over_expected"] * (int(k) * s["c"] + 1) / (int(k) * s["c"] + r["verify_cost"])
                 * r["measured_over_analytic_measured_v_tokens"])
             assert r["full_batch_measured_over_analytic"] > 0  # the first step of 3 prompts runs a full batch
+            assert r["speedup_vs_hf_assisted_matched_k"] == pytest.approx(r["tok_s"] / r["hf_assisted_matched_k_tok_s"])
         res = {(x["name"], x["k"]): x for x in rep["results"] if x["batch_size"] == int(bs[-1])}
         best, k0 = res[("engine", s["best_k"])], res[("engine_k0", 0)]
         decode = best["tokens"] / (best["seconds"] - best["prefill_seconds"])
@@ -169,3 +171,27 @@ def test_bad_options_and_paths_are_one_line_errors(tmp_path, capsys):
             main(argv)
         err = capsys.readouterr().err + str(e.value.code)
         assert e.value.code != 0 and msg in err and "Traceback" not in err, (argv, err)
+
+
+def test_hf_assisted_with_k_matched_drafts_exactly_k():
+    """(b, k matched): HF assisted generation drafting the engine's k each step (HF's defaults draft up
+    to 20 and stop below confidence 0.4), and the draft's own settings restored afterwards."""
+    from osd_serve.bench_hf import hf_drafting as _hf_drafting
+    from osd_serve.bench_hf import hf_generate as _hf_generate
+    from tests.conftest import char_tokenizer, llama
+
+    tok = char_tokenizer()
+    target, draft = llama(len(tok), seed=0), llama(len(tok), seed=0)  # the draft is the target: every token accepted
+    calls = []
+    target.register_forward_hook(lambda m, i, o: calls.append(1))
+
+    def steps(k=None):
+        calls.clear()
+        with _hf_drafting(draft, k) if k else contextlib.nullcontext():
+            out = _hf_generate(target, tok, [[5, 6, 7]], 24, 1, assistant=draft)
+        assert len(out[0]) == 24 and draft.generation_config.num_assistant_tokens is None
+        return len(calls)
+
+    matched = steps(3)
+    assert 6 <= matched <= 7  # 24 tokens at 4 a step (3 drafted, all accepted, + 1), plus the prefill
+    assert steps() > matched  # HF's default stops drafting below confidence 0.4: this flat draft drafts 1 a step
