@@ -4,6 +4,7 @@
 # Writes benchmarks/results/gpu_bench.json and prints the tables.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # gpu_pair.py imports osd_serve: also where it is not pip-installed
 pair_dir=${GPU_PAIR_DIR:-/tmp/osd-gpu-pair}
 out=${OUT_DIR:-benchmarks/results}
 mkdir -p "$out"
