@@ -228,13 +228,16 @@ def run_bench(
     hf_generate(target, tok, ids[:1], 4, 1)
     hf_generate(target, tok, ids[:1], 4, 1, assistant=draft)
     SpecEngine(target, draft, tok).generate(ids[:1], SamplingParams(max_tokens=4))
+    # (b) and (b, k matched) run at batch 1 whatever the batch size (HF's limit): timed in the first
+    # size's rounds and reused for the others, not run again for the same numbers.
+    hf_runs: dict = {}
     for bs in batch_sizes:
         engine_ks = list(ks) + [0]
-        decoders = {
-            "a": lambda: (hf_generate(target, tok, ids, max_tokens, bs), None),
-            "b": lambda: (hf_generate(target, tok, ids, max_tokens, bs, assistant=draft), None),
-        } | {f"b{k}": (lambda k=k: hf_matched_k(target, tok, ids, max_tokens, draft, k)) for k in ks} \
-          | {k: (lambda k=k: _engine_run(target, draft, tok, ids, bs, max_tokens, k)) for k in engine_ks}
+        hf = {} if hf_runs else {
+            "b": lambda: (hf_generate(target, tok, ids, max_tokens, HF_ASSISTED_BATCH, assistant=draft), None),
+        } | {f"b{k}": (lambda k=k: hf_matched_k(target, tok, ids, max_tokens, draft, k)) for k in ks}
+        decoders = {"a": lambda: (hf_generate(target, tok, ids, max_tokens, bs), None)} | hf \
+            | {k: (lambda k=k: _engine_run(target, draft, tok, ids, bs, max_tokens, k)) for k in engine_ks}
         first, times, ratios = {}, {name: [] for name in decoders}, {name: [] for name in ["c", *ks]}
         prefill, full_rate = {k: [] for k in engine_ks}, {k: [] for k in engine_ks}
         for _ in tqdm(range(repeats), desc=f"batch {bs}: {repeats} round(s) of {len(decoders)} decoders"):
@@ -249,6 +252,9 @@ def run_bench(
             ratios["c"].append(forward_cost(draft, bs, ctx, vocab, device) / t1)
             for k in ks:
                 ratios[k].append(forward_cost(target, bs, ctx, vocab, device, tokens=k + 1) / t1)
+        hf_runs = hf_runs or {name: (first[name], times[name]) for name in hf}
+        for name, (out, ts) in hf_runs.items():
+            first[name], times[name] = out, ts
         t = {name: statistics.median(ts) for name, ts in times.items()}
         c, v = statistics.median(ratios["c"]), {k: statistics.median(ratios[k]) for k in ks}
         ref, hf_asst = first["a"][0], first["b"][0]

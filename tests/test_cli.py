@@ -104,6 +104,8 @@ def test_bench_report_is_complete_and_lossless(tiny_pair, tmp_path):
                 * r["measured_over_analytic_measured_v_tokens"])
             assert r["full_batch_measured_over_analytic"] > 0  # the first step of 3 prompts runs a full batch
             assert r["speedup_vs_hf_assisted_matched_k"] == pytest.approx(r["tok_s"] / r["hf_assisted_matched_k_tok_s"])
+        # HF assists at batch 1 whatever the size: timed once, in the first size's rounds
+        assert s["hf_assisted_tok_s"] == rep["summary"]["batch_1"]["hf_assisted_tok_s"]
         res = {(x["name"], x["k"]): x for x in rep["results"] if x["batch_size"] == int(bs[-1])}
         best, k0 = res[("engine", s["best_k"])], res[("engine_k0", 0)]
         decode = best["tokens"] / (best["seconds"] - best["prefill_seconds"])
