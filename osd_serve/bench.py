@@ -173,6 +173,12 @@ class DecoderResult:
     # engine: tok/s over the steps that ran a full batch, their draft + target time only (median): the
     # steady state of a loaded server, without the drain at the end of a finite workload or prefill
     full_batch_tok_s: float | None = None
+    # every round's seconds, in run order: a first round far slower than the rest is warm-up that the
+    # median left out (on a GPU, every batch shape the drain reaches is new once)
+    round_seconds: list[float] | None = None
+    # engine: of ``seconds``, the time outside draft and target forwards and prefill (median): the
+    # loop's own bookkeeping (admission, uniforms, appending and detokenising, cache compaction)
+    loop_seconds: float | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -239,7 +245,7 @@ def run_bench(
         decoders = {"a": lambda: (hf_generate(target, tok, ids, max_tokens, bs), None)} | hf \
             | {k: (lambda k=k: _engine_run(target, draft, tok, ids, bs, max_tokens, k)) for k in engine_ks}
         first, times, ratios = {}, {name: [] for name in decoders}, {name: [] for name in ["c", *ks]}
-        prefill, full_rate = {k: [] for k in engine_ks}, {k: [] for k in engine_ks}
+        prefill, full_rate, loop = ({k: [] for k in engine_ks} for _ in range(3))
         for _ in tqdm(range(repeats), desc=f"batch {bs}: {repeats} round(s) of {len(decoders)} decoders"):
             for name, run in decoders.items():
                 out, dt = _timed(run)
@@ -247,6 +253,7 @@ def run_bench(
                 times[name].append(dt)
                 if name in prefill:
                     prefill[name].append(sum(s.prefill_time for s in out[1]))
+                    loop[name].append(dt - sum(s.prefill_time + s.draft_time + s.target_time for s in out[1]))
                     full_rate[name].append(_full_batch_tok_s(out[1], bs))
             t1 = forward_cost(target, bs, ctx, vocab, device)
             ratios["c"].append(forward_cost(draft, bs, ctx, vocab, device) / t1)
@@ -258,15 +265,16 @@ def run_bench(
         t = {name: statistics.median(ts) for name, ts in times.items()}
         c, v = statistics.median(ratios["c"]), {k: statistics.median(ratios[k]) for k in ks}
         ref, hf_asst = first["a"][0], first["b"][0]
-        a = DecoderResult("target_alone_hf", bs, sum(map(len, ref)), t["a"])
+        a = DecoderResult("target_alone_hf", bs, sum(map(len, ref)), t["a"], round_seconds=times["a"])
         m = mismatches(target, ids, hf_asst, ref)
-        b = DecoderResult("hf_assisted", bs, sum(map(len, hf_asst)), t["b"], outputs_match_target=len(ref) - m["differ"], mismatch=m)
+        b = DecoderResult("hf_assisted", bs, sum(map(len, hf_asst)), t["b"], outputs_match_target=len(ref) - m["differ"],
+                          mismatch=m, round_seconds=times["b"])
         results += [a, b]
         b_k = {}  # HF assisted drafting the engine's k (batch 1, as (b))
         for k in ks:
             m = mismatches(target, ids, first[f"b{k}"][0], ref)
             b_k[k] = DecoderResult("hf_assisted_matched_k", bs, sum(map(len, first[f"b{k}"][0])), t[f"b{k}"], k=k,
-                                   outputs_match_target=len(ref) - m["differ"], mismatch=m)
+                                   outputs_match_target=len(ref) - m["differ"], mismatch=m, round_seconds=times[f"b{k}"])
         results += list(b_k.values())
         log(f"[batch {bs}] c={c:.3f}  target alone {a.tokens_per_s:.1f} tok/s  HF assisted {b.tokens_per_s:.1f} tok/s")
         per_k = {}
@@ -290,6 +298,8 @@ def run_bench(
                 prefill_seconds=statistics.median(prefill[k]),
                 uncut_tokens_per_target_forward=_uncut_tokens_per_forward(stats, k),
                 full_batch_tok_s=statistics.median(full_rate[k]) if None not in full_rate[k] else None,
+                round_seconds=times[k],
+                loop_seconds=statistics.median(loop[k]),
             )
             results.append(r)
             per_k[k] = r
@@ -335,6 +345,8 @@ def run_bench(
                     "verify_cost": r.verify_cost, "analytic_speedup_measured_v": r.analytic_speedup_measured_v,
                     "measured_over_analytic_measured_v": measured(r) / r.analytic_speedup_measured_v,
                     "prefill_share": r.prefill_seconds / r.seconds,
+                    "loop_share": r.loop_seconds / r.seconds,
+                    "first_round_over_median": r.round_seconds[0] / r.seconds,
                     "measured_decode_only_over_analytic": decode_only(r) / r.analytic_speedup,
                     "outputs_match_target": r.outputs_match_target, "mismatch": r.mismatch,
                     "rows_per_step": r.rows_per_step,
@@ -434,12 +446,14 @@ def summary_table(report: dict, title: str) -> str:
         "measured/S(v, tokens): S with both v and tokens per forward measured, i.e. what is left for the loop; "
         "measured/analytic = tokens/fwd ÷ i.i.d. × (k·c + 1)/(k·c + v) × measured/S(v, tokens). "
         "Full batch: the same ratio over only the steps that ran a full batch, their draft and target time only "
-        "(a loaded server's steady state: no drain at the end of the workload, no prefill).",
+        "(a loaded server's steady state: no drain at the end of the workload, no prefill). "
+        "Loop share: the engine's time outside draft and target forwards and prefill (its bookkeeping). "
+        "1st round ÷ median: far above 1 means the first round paid a warm-up the median leaves out.",
         "",
         "| batch | k | α | tokens/target fwd | tokens/fwd ÷ i.i.d. | uncut ÷ i.i.d. | rows/step | analytic S | (c)/(a) | (c)/(b) | (c)/(b, k matched) | "
         "measured/analytic | v | S(v) | measured/S(v) | measured/S(v, tokens) | measured/analytic, no prefill | "
-        "full batch: measured/analytic | outputs = target |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "full batch: measured/analytic | loop share | 1st round ÷ median | outputs = target |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, s in report["summary"].items():
         for k, r in s["per_k"].items():
@@ -456,6 +470,7 @@ def summary_table(report: dict, title: str) -> str:
                 f"{_f(r.get('verify_cost'))} | {_f(r.get('analytic_speedup_measured_v'))} | "
                 f"{_f(r.get('measured_over_analytic_measured_v'))} | {_f(r['measured_over_analytic_measured_v_tokens'])} | "
                 f"{_f(r.get('measured_decode_only_over_analytic'))} | {_f(r.get('full_batch_measured_over_analytic'))} | "
+                f"{_f(r.get('loop_share'))} | {_f(r.get('first_round_over_median'))} | "
                 f"{_outputs(r['outputs_match_target'], report['prompts'], r.get('mismatch'))} |"
             )
     return "\n".join(rows)

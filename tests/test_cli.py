@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import statistics
 import subprocess
 import sys
 
@@ -104,10 +105,15 @@ def test_bench_report_is_complete_and_lossless(tiny_pair, tmp_path):
                 * r["measured_over_analytic_measured_v_tokens"])
             assert r["full_batch_measured_over_analytic"] > 0  # the first step of 3 prompts runs a full batch
             assert r["speedup_vs_hf_assisted_matched_k"] == pytest.approx(r["tok_s"] / r["hf_assisted_matched_k_tok_s"])
+            # the loop's own time is what the forwards and prefill leave of the run
+            assert 0 < r["loop_share"] < 1 - r["prefill_share"] and r["first_round_over_median"] > 0
         # HF assists at batch 1 whatever the size: timed once, in the first size's rounds
         assert s["hf_assisted_tok_s"] == rep["summary"]["batch_1"]["hf_assisted_tok_s"]
         res = {(x["name"], x["k"]): x for x in rep["results"] if x["batch_size"] == int(bs[-1])}
         best, k0 = res[("engine", s["best_k"])], res[("engine_k0", 0)]
+        # every decoder keeps all its rounds, and its seconds are their median
+        assert all(len(x["round_seconds"]) == 2 and x["seconds"] == pytest.approx(statistics.median(x["round_seconds"]))
+                   for x in res.values())
         decode = best["tokens"] / (best["seconds"] - best["prefill_seconds"])
         decode0 = k0["tokens"] / (k0["seconds"] - k0["prefill_seconds"])
         assert s["measured_decode_only_over_analytic"] == pytest.approx(decode / decode0 / s["analytic_speedup_at_best_k"])
