@@ -30,6 +30,9 @@ from .sampling import seeded_generator
 from .spec import RowState, accept, fit_vocab, propose
 
 _DRAFT, _AHEAD, _VERIFY = 1, 2, 3  # uniform streams: never share uniforms between these roles
+# A sequence runs a step every few tens of milliseconds; one whose cache row has sat unused this long on
+# a worker has finished with its release sent elsewhere, or moved to another replica for good.
+IDLE_ROW_S = 120.0
 
 
 def uniforms(seed: int, stream: int, position: int, n: int) -> torch.Tensor:
@@ -114,32 +117,36 @@ class SeqCaches:
     back batch after batch, so no copy. When the set changes, the slab is split into per-sequence
     rows (views) and the new set merged (one copy per layer)."""
 
-    def __init__(self, model, device: torch.device, max_seqs: int = 1024):
-        self.model, self.device, self.max_seqs = model, device, max_seqs
+    def __init__(self, model, device: torch.device, max_seqs: int = 1024, idle_s: float = IDLE_ROW_S,
+                 clock: Callable[[], float] = time.monotonic):
+        self.model, self.device, self.max_seqs, self.idle_s, self.clock = model, device, max_seqs, idle_s, clock
         self.slab = BatchKV(model, 0, device)
         self.slab_ids: list[str] = []
         self.tokens: dict[str, list[int]] = {}  # seq id -> tokens its cache holds (positions 0..n-1)
-        self._rows: OrderedDict[str, BatchKV] = OrderedDict()  # detached rows, least recently used first
+        # Detached rows and when they left the slab, least recently used first.
+        self._rows: OrderedDict[str, tuple[BatchKV, float]] = OrderedDict()
 
     def gather(self, seq_ids: list[str], histories: list[list[int]]) -> tuple[BatchKV, list[list[int]]]:
         """The batch for these sequences, each cache rolled back to the longest prefix it shares with
         its history (leaving at least the last token to feed); returns it and what each row must feed."""
         if seq_ids != self.slab_ids:
-            staying = set(seq_ids)
+            staying, now = set(seq_ids), self.clock()
             for sid, row in zip(self.slab_ids, self.slab.split()):
                 if sid in self.tokens:  # not released
                     if sid not in staying:  # its own tensors, holes squeezed out: a view would keep
                         row.compact()  # the whole old slab (every other row, the padding) alive
-                    self._rows[sid] = row
+                    self._rows[sid] = (row, now)
             parts = []
             for sid in seq_ids:
-                row = self._rows.pop(sid, None)
+                row = self._rows.pop(sid, (None,))[0]
                 if row is None:
                     self.tokens[sid] = []
                     row = BatchKV(self.model, 1, self.device)
                 parts.append(row)
             self.slab, self.slab_ids = BatchKV.merge(self.model, self.device, parts), list(seq_ids)
-            while len(self._rows) > self.max_seqs:  # sequences whose client never came back
+            # Rows of sequences whose client never came back, or whose steps now go to another replica
+            # (it gets their release): oldest out past max_seqs, and any left idle for idle_s.
+            while self._rows and (len(self._rows) > self.max_seqs or now - next(iter(self._rows.values()))[1] > self.idle_s):
                 self.tokens.pop(self._rows.popitem(last=False)[0], None)
         # setdefault: a call queued before its sequence was released (the client went away) finds no
         # entry; it recomputes that row instead of failing every sequence batched with it.
@@ -162,14 +169,14 @@ class SeqCaches:
 class DraftWorker:
     """Proposes k tokens for a batch of sequences, then drafts ahead (see the module docstring)."""
 
-    def __init__(self, draft, vocab: int, max_seqs: int = 1024, ahead: bool = True, version: int = 0):
+    def __init__(self, draft, vocab: int, max_seqs: int = 1024, ahead: bool = True, version: int = 0, **cache_args):
         self.draft, self.vocab, self.ahead, self.version = draft, vocab, ahead, version
         self.device = next(draft.parameters()).device
-        self.max_seqs = max_seqs
-        self.caches = SeqCaches(draft, self.device, max_seqs)
+        self.max_seqs, self._cache_args = max_seqs, cache_args  # cache_args: SeqCaches' idle_s, clock
+        self.caches = SeqCaches(draft, self.device, max_seqs, **cache_args)
         # seq id -> (history it assumes, proposal), least recently drafted first. Bounded like the caches:
         # with several replicas a sequence's next step or release may go to another one, leaving it here.
-        self._ahead: OrderedDict[str, tuple[list[int], Proposal]] = OrderedDict()
+        self._ahead: OrderedDict[str, tuple[list[int], Proposal, float]] = OrderedDict()
         self._last: tuple[list[ProposeItem], list[Proposal]] | None = None
         self.hits = self.misses = 0
 
@@ -182,14 +189,14 @@ class DraftWorker:
             raise ValueError(f"swap: state has names the draft does not: {sorted(unknown)[:3]}")
         self.draft.load_state_dict(state, strict=False)
         self.version = version
-        self.caches = SeqCaches(self.draft, self.device, self.max_seqs)
+        self.caches = SeqCaches(self.draft, self.device, self.max_seqs, **self._cache_args)
         self._ahead, self._last = OrderedDict(), None
 
     def propose(self, items: list[ProposeItem]) -> list[Proposal]:
         out: list[Proposal | None] = [None] * len(items)
         todo = []
         for i, it in enumerate(items):
-            base, prop = self._ahead.pop(it.seq_id, (None, None))
+            base, prop, _ = self._ahead.pop(it.seq_id, (None, None, None))
             if base == it.history and len(prop.tokens) >= it.k:  # more when max_tokens capped this k
                 out[i] = Proposal(prop.tokens[: it.k], prop.probs[: it.k] if prop.probs is not None else None, prop.version)
                 self.hits += 1
@@ -228,11 +235,12 @@ class DraftWorker:
         kmax = max(nexts)
         u = [torch.cat([uniforms(it.sampling.seed, _AHEAD, len(h), 1), uniforms(it.sampling.seed, _DRAFT, len(h) + 1, kmax)])
              for it, h in zip(items, histories)]
+        now = self.caches.clock()
         for it, h, p in zip(items, histories, self._draft(items, histories, [n + 1 for n in nexts], u)):
             probs = p.probs[1:] if p.probs is not None else None
-            self._ahead[it.seq_id] = (h + p.tokens[:1], Proposal(p.tokens[1:], probs, p.version))
+            self._ahead[it.seq_id] = (h + p.tokens[:1], Proposal(p.tokens[1:], probs, p.version), now)
             self._ahead.move_to_end(it.seq_id)
-        while len(self._ahead) > self.max_seqs:
+        while self._ahead and (len(self._ahead) > self.max_seqs or now - next(iter(self._ahead.values()))[2] > self.caches.idle_s):
             self._ahead.popitem(last=False)
 
     def _draft(self, items: list[ProposeItem], histories: list[list[int]], ks: list[int], u: list[torch.Tensor]) -> list[Proposal]:

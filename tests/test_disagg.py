@@ -377,6 +377,32 @@ def test_drafted_ahead_proposals_are_bounded(tok):
     assert list(worker._ahead) == ["s3", "s4"]
 
 
+def test_rows_left_idle_on_a_replica_are_dropped(tok):
+    """With several draft replicas a sequence's steps can move to another one, and its release goes there
+    too: its row and drafted-ahead proposal here were kept until 1024 others had come (a full KV row
+    each). Now a row unused for idle_s goes at the next change of the batch; the sequence, if it comes
+    back, is recomputed, with the same proposals."""
+    target = llama(len(tok), seed=3)
+    now = [0.0]
+    worker = DraftWorker(perturbed(target, 0.05), len(tok), idle_s=60.0, clock=lambda: now[0])
+    pa, pb = _prompts(len(tok), n=2, seed=4)
+    s = disagg.Sampling()
+    first = worker.propose([disagg.ProposeItem("A", pa, 2, s)])
+    worker.draft_ahead()
+    now[0] = 30.0
+    worker.propose([disagg.ProposeItem("B", pb, 2, s)])  # A's row leaves the slab at t=30
+    worker.draft_ahead()
+    assert "A" in worker.caches.tokens and "A" in worker._ahead  # not idle long enough yet
+    now[0] = 100.0
+    worker.propose([disagg.ProposeItem("B", pb + [1], 2, s)])  # the batch is B's alone: no change
+    assert "A" in worker.caches.tokens
+    worker.propose([disagg.ProposeItem("C", pa[:-1], 2, s)])  # a change: A idle 70 s > 60 s
+    worker.draft_ahead()
+    assert "A" not in worker.caches.tokens and "A" not in worker.caches._rows and "A" not in worker._ahead
+    assert "B" in worker.caches.tokens  # left the slab at t=100
+    assert [p.tokens for p in worker.propose([disagg.ProposeItem("A", pa, 2, s)])] == [p.tokens for p in first]
+
+
 def test_a_call_queued_before_its_release_does_not_fail_its_batch(tok):
     """A released sequence's verify (or propose) already queued, batched with the same sequences as the
     call before, raised KeyError: @serve.batch gives that to every request in the batch."""
@@ -419,7 +445,7 @@ def test_the_caches_squeeze_out_holes_and_own_their_rows(tok):
     for w in verifiers:
         slab = w.caches.slab
         assert slab.batch_size == 0 or slab.width <= 2 * int(slab.length.max())
-        for row in w.caches._rows.values():
+        for row, _ in w.caches._rows.values():
             for layer in row._layers():
                 assert layer.keys is None or layer.keys.untyped_storage().nbytes() == layer.keys.numel() * layer.keys.element_size()
 
