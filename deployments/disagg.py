@@ -41,10 +41,12 @@ CONSISTENT_HASH = "ray.serve.experimental.consistent_hash_router.ConsistentHashR
 
 def _load(cfg: AppConfig, role: str):
     """(model of that role, vocab, max_model_len), the pair built first if it is the default."""
-    from osd_serve.loading import load_model, pack_target, pair_limits
+    from osd_serve.loading import check_same_vocab, load_model, load_tokenizer, pack_target, pair_limits
     from osd_serve.service import model_config
 
     mc = model_config(cfg)
+    # as load_pair does in the colocated topology: a replica with a mismatched pair never starts
+    check_same_vocab(load_tokenizer(mc.target), load_tokenizer(mc.draft, "draft"))
     vocab, max_len = pair_limits(mc.target, mc.draft, cfg.max_model_len)
     model = load_model(mc.target if role == "target" else mc.draft, role, mc.resolved_device(), mc.resolved_dtype())
     if role == "target":
@@ -95,7 +97,7 @@ class DraftPool(_Batched):
         # On the torch thread, in one go: a swap the watcher queues meanwhile runs after this, in order.
         from osd_serve.service import expert_draft
 
-        draft = expert_draft(self.base, self.adapters[expert])
+        draft = expert_draft(self.base, self.adapters[expert], expert)
         ahead = self.cfg.draft_ahead
         if ahead == "auto":
             ahead = next(draft.parameters()).device.type == "cuda"

@@ -18,9 +18,21 @@ SEED_RANGE = (-(2**63), 2**63)
 FLOAT32_MAX = 3.4028234663852886e38  # a temperature above it is inf in float32: every row NaN
 
 
-def _check(cond: bool, field_name: str, allowed: str, value: object) -> None:
+def _check(cond, field_name: str, allowed: str, value: object) -> None:
+    """cond: a bool, or a function of the value, called only once the value is a number of the field's
+    kind (so a string or None is refused with the field's name, not a TypeError from comparing it)."""
+    if callable(cond):
+        cond = _is_number(value) and cond(value)
     if not cond:
         raise ValueError(f"{field_name} must be {allowed}, got {value!r}")
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # True is an int to Python, not a count to a user
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 @dataclass
@@ -41,12 +53,12 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "an integer >= 1", self.max_tokens)
-        _check(0.0 <= self.temperature <= FLOAT32_MAX, "temperature", ">= 0 and finite in float32", self.temperature)
-        _check(isinstance(self.top_k, int) and 0 <= self.top_k < TOP_K_LIMIT, "top_k", "an integer in [0, 2**31) (0 disables)", self.top_k)
-        _check(self.seed is None or (isinstance(self.seed, int) and SEED_RANGE[0] <= self.seed < SEED_RANGE[1]), "seed",
+        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "an integer >= 1", self.max_tokens)
+        _check(lambda t: 0.0 <= t <= FLOAT32_MAX, "temperature", ">= 0 and finite in float32", self.temperature)
+        _check(_is_int(self.top_k) and 0 <= self.top_k < TOP_K_LIMIT, "top_k", "an integer in [0, 2**31) (0 disables)", self.top_k)
+        _check(self.seed is None or (_is_int(self.seed) and SEED_RANGE[0] <= self.seed < SEED_RANGE[1]), "seed",
                "a 64-bit integer, in [-2**63, 2**63)", self.seed)
-        _check(0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]", self.top_p)
+        _check(lambda p: 0.0 < p <= 1.0, "top_p", "in (0, 1]", self.top_p)
         _check(
             isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop) and len(self.stop) <= 16,
             "stop",
@@ -55,7 +67,7 @@ class SamplingParams:
         )
         k = self.num_speculative_tokens
         _check(
-            isinstance(k, int) and 0 <= k <= MAX_SPECULATIVE_TOKENS,
+            _is_int(k) and 0 <= k <= MAX_SPECULATIVE_TOKENS,
             "num_speculative_tokens",
             f"an integer in [0, {MAX_SPECULATIVE_TOKENS}]",
             k,
@@ -78,6 +90,6 @@ class EngineConfig:
     max_model_len: int = 2048
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.max_batch_size, int) and self.max_batch_size >= 1, "max_batch_size", "an integer >= 1", self.max_batch_size)
-        _check(0.0 < self.compact_hole_fraction <= 1.0, "compact_hole_fraction", "in (0, 1]", self.compact_hole_fraction)
-        _check(isinstance(self.max_model_len, int) and self.max_model_len >= 2, "max_model_len", "an integer >= 2", self.max_model_len)
+        _check(_is_int(self.max_batch_size) and self.max_batch_size >= 1, "max_batch_size", "an integer >= 1", self.max_batch_size)
+        _check(lambda f: 0.0 < f <= 1.0, "compact_hole_fraction", "in (0, 1]", self.compact_hole_fraction)
+        _check(_is_int(self.max_model_len) and self.max_model_len >= 2, "max_model_len", "an integer >= 2", self.max_model_len)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
+import functools
 import os
 import re
 from dataclasses import dataclass, field
@@ -32,6 +32,9 @@ class ModelConfig:
     cpu_packed_linear: bool = True  # on CPU, the target's linears on oneDNN prepacked weights and the skinny kernel (kernels/cpu_linear.py)
 
     def __post_init__(self) -> None:
+        # "~/models/x" is a directory to the user; transformers would take it for a malformed hub id
+        self.target, self.draft = expand(self.target), expand(self.draft)
+        self.draft_adapters = {n: expand(p) for n, p in self.draft_adapters.items()}
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.attn_implementation not in ("auto", "flash_attention_2", "sdpa", "eager"):
@@ -51,15 +54,32 @@ class ModelConfig:
         return DTYPES[self.dtype]
 
 
+def expand(name: str) -> str:
+    """A model or adapter given as ``~/...`` names a directory (no hub id starts with ``~``)."""
+    return os.path.expanduser(name)
+
+
+@functools.cache
+def flash_attn_importable() -> bool:
+    """Importable, not merely installed: a flash-attn wheel built against another torch is found on
+    disk but fails to import (an undefined symbol), and must not be chosen."""
+    try:
+        import flash_attn  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
 def attention_backend(device: torch.device, requested: str = "auto") -> str:
     """flash-attention-2 on CUDA when flash_attn is importable, otherwise PyTorch SDPA."""
+    if requested == "flash_attention_2":
+        if device.type != "cuda":
+            raise ValueError(f"attn_implementation flash_attention_2 runs on CUDA only, not on {device}")
+        if not flash_attn_importable():
+            raise ValueError("attn_implementation flash_attention_2 needs an importable flash-attn: pip install 'osd-serve[gpu]'")
     if requested != "auto":
-        if requested == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
-            raise ValueError("attn_implementation flash_attention_2 needs flash-attn: pip install 'osd-serve[gpu]'")
         return requested
-    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
-        return "flash_attention_2"
-    return "sdpa"
+    return "flash_attention_2" if device.type == "cuda" and flash_attn_importable() else "sdpa"
 
 
 def _is_local(name: str) -> bool:
@@ -67,31 +87,46 @@ def _is_local(name: str) -> bool:
 
 
 def _load_error(name: str, role: str, err: Exception) -> ValueError:
+    """A ValueError naming the model and its role. transformers reports a hub id it could not resolve
+    or fetch as an OSError; any other error (an unknown architecture, corrupt weights, a missing
+    package) is the model's own, and is passed on rather than blamed on the network."""
     if _is_local(name):
         return ValueError(f"{role} model directory {name!r} could not be loaded: {err}")
-    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
-    why = "HF_HUB_OFFLINE is set" if offline else "the Hugging Face Hub could not be reached or has no such repo"
+    if not isinstance(err, OSError):
+        return ValueError(f"{role} model {name!r} could not be loaded: {err}")
+    from huggingface_hub import constants
+
+    why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "the Hugging Face Hub could not be reached or has no such repo"
     return ValueError(
-        f"{role} model {name!r} is not a local directory and could not be fetched ({why}). "
+        f"{role} model {name!r} is not a local directory and could not be fetched ({why}: {str(err).splitlines()[0]}). "
         f"Pass a local directory, or run `osd-serve bootstrap` for the embedded default pair."
     )
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def load_tokenizer(name: str, role: str = "target"):
     from transformers import AutoTokenizer
 
+    name = expand(name)
+    local = Path(name)
+    if local.is_dir() and not any((local / f).is_file() for f in TOKENIZER_FILES):
+        raise ValueError(f"{role} model directory {name!r} has no tokenizer files ({', '.join(TOKENIZER_FILES)}): "
+                         f"target and draft must share one tokenizer, so copy the target's into it")
     try:
         return AutoTokenizer.from_pretrained(name)
-    except (OSError, ValueError) as e:
+    except Exception as e:  # corrupt files, a missing package: one error naming the model, not a traceback
         raise _load_error(name, role, e) from e
 
 
 def load_model(name: str, role: str, device: torch.device, dtype: torch.dtype, attn: str = "auto"):
     from transformers import AutoModelForCausalLM
 
+    name, attn = expand(name), attention_backend(device, attn)  # a bad attention choice is its own error
     try:
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation=attention_backend(device, attn))
-    except (OSError, ValueError) as e:
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation=attn)
+    except Exception as e:  # truncated safetensors, unknown architectures: named, not a traceback
         raise _load_error(name, role, e) from e
     return model.to(device).eval()
 
@@ -106,8 +141,13 @@ def pair_limits(target: str, draft: str, max_model_len: int) -> tuple[int, int]:
     (the router, a draft-only replica) needs to validate prompts and size the draft's logits."""
     from transformers import AutoConfig
 
-    t, d = AutoConfig.from_pretrained(target), AutoConfig.from_pretrained(draft)
-    t, d = getattr(t, "text_config", t), getattr(d, "text_config", d)
+    configs = []
+    for name, role in ((target, "target"), (draft, "draft")):
+        try:
+            configs.append(AutoConfig.from_pretrained(expand(name)))
+        except Exception as e:
+            raise _load_error(expand(name), role, e) from e
+    t, d = (getattr(c, "text_config", c) for c in configs)
     return t.vocab_size, min(max_model_len, max_positions(t), max_positions(d))
 
 
@@ -128,13 +168,18 @@ def attach_adapter(draft, name: str, path: str):
     (peft prefers adapter_model.safetensors when it exists, and we refuse directories without one)."""
     from peft import PeftModel
 
-    p = Path(path)
+    p = Path(expand(path))
+    if not p.is_dir():
+        raise ValueError(f"adapter {name!r}: {path!r} is not a directory")
     if not (p / "adapter_model.safetensors").is_file():
         raise ValueError(f"adapter {name!r} at {path!r} has no adapter_model.safetensors (pickled adapters are refused)")
-    if isinstance(draft, PeftModel):
-        draft.load_adapter(str(p), adapter_name=name)
-        return draft
-    return PeftModel.from_pretrained(draft, str(p), adapter_name=name).eval()
+    try:
+        if isinstance(draft, PeftModel):
+            draft.load_adapter(str(p), adapter_name=name)
+            return draft
+        return PeftModel.from_pretrained(draft, str(p), adapter_name=name).eval()
+    except Exception as e:  # e.g. a LoRA trained on another base: peft's size-mismatch RuntimeError
+        raise ValueError(f"adapter {name!r} at {path!r} does not fit the draft: {str(e).splitlines()[0]}") from e
 
 
 def pack_target(target, cfg: ModelConfig) -> int:

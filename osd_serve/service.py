@@ -27,7 +27,7 @@ from .telemetry import Telemetry
 def model_paths(cfg) -> tuple[str, str]:
     """cfg.target/draft, or the embedded default pair, built first (progress on stderr) if missing."""
     if cfg.target is not None:
-        return cfg.target, cfg.draft
+        return os.path.expanduser(cfg.target), os.path.expanduser(cfg.draft)
     from .bootstrap import build_pair
 
     pair = build_pair()
@@ -49,14 +49,14 @@ def load_models(cfg):
     return load_pair(model_config(cfg))
 
 
-def expert_draft(base, adapter: str | None):
-    """The base draft with an expert's LoRA adapter merged in (safetensors only, via peft)."""
+def expert_draft(base, adapter: str | None, name: str = "expert"):
+    """The base draft with expert ``name``'s LoRA adapter merged in (safetensors only, via peft)."""
     d = copy.deepcopy(base)
     if adapter is None:
         return d
     from .loading import attach_adapter
 
-    return attach_adapter(d, "expert", os.path.expanduser(adapter)).merge_and_unload()
+    return attach_adapter(d, name, adapter).merge_and_unload()
 
 
 class SpecService:
@@ -71,7 +71,7 @@ class SpecService:
         self.cfg, self.replica_tag = cfg, replica_tag
         self._private_root: Path | None = None
         self.target, base, self.tokenizer = models or load_models(cfg)
-        drafts = {e.name: expert_draft(base, e.adapter) for e in cfg.experts}
+        drafts = {e.name: expert_draft(base, e.adapter, e.name) for e in cfg.experts}
         econf = EngineConfig(max_batch_size=cfg.max_batch_size, max_model_len=cfg.max_model_len)
         w = cfg.wandb
         self.telemetry = Telemetry(w.mode, w.project, w.dir, w.log_every_s, config=cfg.model_dump(exclude={"api_key", "admin_key"}),

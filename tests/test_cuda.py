@@ -5,7 +5,6 @@ greedy decoding. Skipped without CUDA (CI has none); run on a lent GPU with
 
 from __future__ import annotations
 
-import importlib.util
 import random
 
 import pytest
@@ -13,14 +12,14 @@ import torch
 
 from osd_serve.config import EngineConfig, SamplingParams
 from osd_serve.engine import SpecEngine
-from osd_serve.loading import ModelConfig, attention_backend, load_pair
+from osd_serve.loading import ModelConfig, attention_backend, flash_attn_importable, load_pair
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 MAX_TOKENS = 16
 # bf16 logits of size ~10 are resolved to ~0.06: a top-2 gap below this may flip between batch shapes.
 NEAR_TIE_BF16 = 0.1
-BACKENDS = ["sdpa"] + (["flash_attention_2"] if importlib.util.find_spec("flash_attn") else [])
+BACKENDS = ["sdpa"] + (["flash_attention_2"] if flash_attn_importable() else [])
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +37,7 @@ def pair_dirs(tmp_path_factory, tok):
 
 
 def test_auto_backend_on_cuda():
-    expected = "flash_attention_2" if importlib.util.find_spec("flash_attn") else "sdpa"
+    expected = "flash_attention_2" if flash_attn_importable() else "sdpa"
     assert attention_backend(torch.device("cuda")) == expected
 
 

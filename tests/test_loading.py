@@ -80,18 +80,83 @@ def test_bad_config_values_name_the_field():
 @pytest.mark.parametrize("flash_installed", [True, False])
 def test_attention_backend_choice(monkeypatch, flash_installed):
     """The choice itself, on any machine (tests/test_cuda.py runs the chosen kernels on a GPU):
-    flash-attention-2 on CUDA when flash_attn is installed, else SDPA (whose flash kernel CUDA picks)."""
-    import importlib.util
+    flash-attention-2 on CUDA when flash_attn is importable, else SDPA (whose flash kernel CUDA picks)."""
+    from osd_serve import loading
 
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: (object() if flash_installed else None) if name == "flash_attn" else real(name, *a))
+    monkeypatch.setattr(loading, "flash_attn_importable", lambda: flash_installed)
     assert attention_backend(torch.device("cuda")) == ("flash_attention_2" if flash_installed else "sdpa")
     assert attention_backend(torch.device("cpu")) == "sdpa"
     assert attention_backend(torch.device("cuda"), "sdpa") == "sdpa"  # an explicit choice wins
+    with pytest.raises(ValueError, match="CUDA only"):  # flash-attn has no CPU kernels
+        attention_backend(torch.device("cpu"), "flash_attention_2")
     if not flash_installed:
         with pytest.raises(ValueError, match="flash-attn"):
             attention_backend(torch.device("cuda"), "flash_attention_2")
+
+
+def test_a_flash_attn_that_fails_to_import_is_not_chosen(monkeypatch, tmp_path):
+    """A flash-attn wheel built against another torch is installed but fails to import (an undefined
+    symbol): found on disk, it was chosen, and every model load then failed."""
+    import sys
+
+    from osd_serve import loading
+
+    (tmp_path / "flash_attn").mkdir()
+    (tmp_path / "flash_attn" / "__init__.py").write_text("raise ImportError('flash_attn_2_cuda.so: undefined symbol')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
+    assert loading.flash_attn_importable.__wrapped__() is False
+
+
+def test_load_errors_name_the_model_and_keep_their_cause(saved_pair, tmp_path, monkeypatch):
+    """Every way a pair fails to load is one ValueError naming the model (the CLI prints one line):
+    truncated weights raised safetensors' own error; a draft directory without tokenizer files blamed
+    missing packages; a cached hub model of an unknown architecture was reported as not fetched."""
+    import shutil
+
+    root, _ = saved_pair
+    target = str(root / "target")
+    cut = tmp_path / "cut"
+    shutil.copytree(root / "draft", cut)
+    w = cut / "model.safetensors"
+    w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])
+    with pytest.raises(ValueError, match=f"draft model directory '{cut}' could not be loaded"):
+        load_pair(ModelConfig(target=target, draft=str(cut), device="cpu"))
+    bare = tmp_path / "bare"
+    llama(8, hidden=32, layers=1).save_pretrained(bare)
+    with pytest.raises(ValueError, match="no tokenizer files.*copy the target's"):
+        load_pair(ModelConfig(target=target, draft=str(bare), device="cpu"))
+    from osd_serve.loading import _load_error
+
+    err = _load_error("acme/new-arch", "draft", ValueError("model type brand_new_arch is not recognised"))
+    assert "brand_new_arch" in str(err) and "fetched" not in str(err)
+    err = _load_error("acme/gone", "draft", OSError("We couldn't connect to 'https://huggingface.co'"))
+    assert "could not be fetched" in str(err) and "couldn't connect" in str(err)
+
+
+def test_a_home_relative_path_is_a_directory(saved_pair, tmp_path, monkeypatch):
+    """"~/models/target" exists, but transformers took it for a malformed hub id."""
+    root, _ = saved_pair
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "models").symlink_to(root)
+    from osd_serve.loading import pair_limits
+
+    target, _, _ = load_pair(ModelConfig(target="~/models/target", draft="~/models/draft", device="cpu"))
+    assert target.config.vocab_size == pair_limits("~/models/target", "~/models/draft", 64)[0]
+
+
+def test_sampling_params_of_the_wrong_type_name_the_field():
+    """A string or None compared with a number raised TypeError; True passed for an integer."""
+    from osd_serve.config import EngineConfig
+
+    for bad, field in (({"temperature": "0.7"}, "temperature"), ({"temperature": None}, "temperature"),
+                       ({"top_p": "1"}, "top_p"), ({"max_tokens": True}, "max_tokens"),
+                       ({"num_speculative_tokens": True}, "num_speculative_tokens"), ({"seed": False}, "seed")):
+        with pytest.raises(ValueError, match=f"^{field} must be"):
+            SamplingParams(**bad)
+    for bad, field in (({"max_batch_size": True}, "max_batch_size"), ({"compact_hole_fraction": None}, "compact_hole_fraction")):
+        with pytest.raises(ValueError, match=f"^{field} must be"):
+            EngineConfig(**bad)
 
 
 def test_lora_adapter_attaches_from_safetensors_and_pickle_is_refused(saved_pair, tmp_path):
@@ -123,3 +188,10 @@ def test_lora_adapter_attaches_from_safetensors_and_pickle_is_refused(saved_pair
         assert not torch.allclose(merged(ids).logits, plain(ids).logits, atol=1e-3)
     with pytest.raises(ValueError, match="safetensors"):
         expert_draft(plain, str(tmp_path / "pickled"))
+    # Errors name the expert and say what is wrong: no such directory, or a LoRA of another base.
+    with pytest.raises(ValueError, match="adapter 'sql': .* is not a directory"):
+        expert_draft(plain, str(tmp_path / "missing"), "sql")
+    wide = get_peft_model(llama(len(char_tokenizer()), hidden=64, layers=1), LoraConfig(r=4, target_modules=["q_proj"]))
+    wide.save_pretrained(tmp_path / "wide")
+    with pytest.raises(ValueError, match="adapter 'sql' at .*wide' does not fit the draft"):
+        expert_draft(plain, str(tmp_path / "wide"), "sql")
