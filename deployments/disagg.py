@@ -194,7 +194,7 @@ class Verifier(_Batched):
 
     def metrics(self) -> dict:
         self.telemetry.maybe_log(force=True)  # closes the window, as in SpecService.admin_metrics
-        return {"history": self.telemetry.history[-500:], "recomputed_tokens": self.recomputed}
+        return {"history": self.telemetry.recent(), "recomputed_tokens": self.recomputed}
 
     async def running(self) -> dict:
         """Per expert: sequences holding a KV cache on this replica, and the draft version serving it

@@ -150,7 +150,7 @@ class SpecService:
 
     async def admin_metrics(self) -> dict:
         self.telemetry.maybe_log(force=True)  # closes the window: a call after a burst of traffic reports that burst
-        return {"history": self.telemetry.history[-500:]}
+        return {"history": self.telemetry.recent()}
 
     async def admin_rollback(self, expert: str, to: int | None) -> dict:
         if self.watcher is not None and expert in self.watcher.stores:  # backend ray_train: the shared store

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import warnings
 from collections import defaultdict, deque
 
 
@@ -51,6 +52,48 @@ class _Prometheus:
                     counter.inc(v, tags=t)
 
 
+HISTORY_ROWS = 500
+INIT_TIMEOUT_S = 20.0  # wandb's own default retries for minutes: a replica must not wait that long to serve
+
+
+def _auto_mode() -> str:
+    """W&B's own switches first (WANDB_MODE, WANDB_DISABLED, as set on air-gapped clusters), then
+    online with an API key and offline without one."""
+    env = os.environ.get("WANDB_MODE", "").strip().lower()
+    if os.environ.get("WANDB_DISABLED", "").strip().lower() in ("1", "true", "yes") or env == "disabled":
+        return "disabled"
+    if env in ("online", "offline"):
+        return env
+    if env == "dryrun":
+        return "offline"
+    return "online" if os.environ.get("WANDB_API_KEY") else "offline"
+
+
+def _init_wandb(mode: str, explicit: bool, **kw):
+    """A W&B run, or None. Telemetry never stops serving: an unreachable server falls back to an offline
+    run, and an unwritable directory (or, in auto mode, no wandb installed) to none; each with a warning.
+    Prometheus and the admin history keep working either way."""
+    try:
+        import wandb
+    except ImportError:
+        if explicit:
+            raise ImportError(f"wandb.mode {mode!r} needs wandb: pip install 'osd-serve[serve]'") from None
+        warnings.warn("wandb is not installed: W&B logging is off (pip install 'osd-serve[serve]')", stacklevel=3)
+        return None
+    try:
+        os.makedirs(kw["dir"], exist_ok=True)
+    except OSError as e:
+        warnings.warn(f"W&B logging is off: cannot create its directory {kw['dir']!r}: {e}", stacklevel=3)
+        return None
+    for m in (mode, "offline") if mode == "online" else (mode,):
+        try:
+            return wandb.init(mode=m, reinit="create_new", settings=wandb.Settings(init_timeout=INIT_TIMEOUT_S), **kw)
+        except Exception as e:  # CommError after the timeout, a PermissionError in the run directory
+            warnings.warn(f"W&B {m} run could not start ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+                          + ("; logging offline instead" if m == "online" else "; W&B logging is off"), stacklevel=3)
+    return None
+
+
 class Telemetry:
     def __init__(self, mode: str = "auto", project: str = "osd-serve", directory: str = "~/.cache/osd-serve/wandb",
                  log_every_s: float = 10.0, config: dict | None = None, name: str | None = None):
@@ -61,17 +104,16 @@ class Telemetry:
         self._lat: deque[float] = deque(maxlen=2000)
         self._events: list[dict] = []
         self._last = time.monotonic()
-        self.history: list[dict] = []  # everything logged, also kept here (tests, admin route)
+        # the latest rows logged, also kept here (admin routes, tests): bounded, as a replica runs for weeks
+        self.history: deque[dict] = deque(maxlen=HISTORY_ROWS)
         self.prom = _Prometheus()
         self.run = None
-        if mode == "auto":
-            mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+        explicit = mode != "auto"
+        if not explicit:
+            mode = _auto_mode()
         if mode != "disabled":
-            import wandb
-
-            d = os.path.expanduser(directory)
-            os.makedirs(d, exist_ok=True)
-            self.run = wandb.init(project=project, dir=d, mode=mode, config=config or {}, name=name, reinit="create_new")
+            self.run = _init_wandb(mode, explicit, project=project, dir=os.path.expanduser(directory), config=config or {},
+                                   name=name)
 
     def on_step(self, expert: str, st) -> None:
         self.prom.step(expert, st)
@@ -134,6 +176,11 @@ class Telemetry:
         if self.run is not None:
             self.run.log(row)
         return row
+
+    def recent(self) -> list[dict]:
+        """The latest rows logged, oldest first (copied under the lock: the engine thread appends)."""
+        with self._lock:
+            return list(self.history)
 
     def close(self) -> None:
         self.maybe_log(force=True)

@@ -1,0 +1,76 @@
+"""W&B telemetry never stops serving: what happens without a network, a writable directory or wandb."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+
+from osd_serve import telemetry
+from osd_serve.telemetry import Telemetry
+
+pytest.importorskip("wandb")
+
+
+def test_auto_mode_follows_wandbs_own_switches(monkeypatch):
+    """With a key set, auto went online whatever WANDB_MODE said: an air-gapped cluster's
+    WANDB_MODE=offline still waited minutes for the server, then failed the replica."""
+    monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
+    monkeypatch.delenv("WANDB_DISABLED", raising=False)
+    for env, mode in (("offline", "offline"), ("disabled", "disabled"), ("dryrun", "offline"), ("", "online")):
+        monkeypatch.setenv("WANDB_MODE", env)
+        assert telemetry._auto_mode() == mode
+    monkeypatch.setenv("WANDB_DISABLED", "true")
+    assert telemetry._auto_mode() == "disabled"
+    monkeypatch.delenv("WANDB_API_KEY")
+    monkeypatch.delenv("WANDB_DISABLED")
+    monkeypatch.setenv("WANDB_MODE", "")
+    assert telemetry._auto_mode() == "offline"
+
+
+def test_an_unreachable_server_falls_back_to_offline(monkeypatch, tmp_path):
+    """wandb.init(mode="online") without a network raised CommError after ~100 s, and the replica
+    never started. Now it is bounded (init_timeout) and the run continues offline."""
+    import wandb
+
+    real, modes = wandb.init, []
+
+    def init(mode, settings, **kw):
+        modes.append((mode, settings.init_timeout))
+        if mode == "online":
+            raise wandb.errors.CommError("Timed out while retrying: no such host")
+        return real(mode=mode, settings=settings, **kw)
+
+    monkeypatch.setattr(wandb, "init", init)
+    with pytest.warns(UserWarning, match="logging offline instead"):
+        t = Telemetry("online", directory=str(tmp_path), log_every_s=0.0)
+    assert modes == [("online", telemetry.INIT_TIMEOUT_S), ("offline", telemetry.INIT_TIMEOUT_S)]
+    assert t.run is not None and t.run.settings.mode == "offline"
+    t.close()
+
+
+def test_no_directory_or_no_wandb_turns_wandb_off_not_serving(monkeypatch, tmp_path):
+    """An unwritable W&B directory, or wandb missing (it is in the serve extra, not the core), raised out
+    of the service's constructor. Now W&B is off with a warning and the history still fills."""
+    (tmp_path / "file").write_text("")
+    with pytest.warns(UserWarning, match="cannot create its directory"):
+        t = Telemetry("offline", directory=str(tmp_path / "file" / "wandb"), log_every_s=0.0)
+    assert t.run is None and t.maybe_log(force=True) is not None and len(t.recent()) == 1
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    with pytest.warns(UserWarning, match="wandb is not installed"):
+        assert Telemetry("auto", directory=str(tmp_path)).run is None
+    with pytest.raises(ImportError, match="osd-serve\\[serve\\]"):  # asked for by name: an error
+        Telemetry("offline", directory=str(tmp_path))
+
+
+def test_history_is_bounded():
+    """Every logged row was kept for the replica's lifetime (3.5 KB a row, every 10 s, per replica)."""
+    t = Telemetry("disabled", log_every_s=0.0)
+    for i in range(telemetry.HISTORY_ROWS + 100):
+        t.on_event("default", version=i)
+        t.maybe_log(force=True)
+    rows = t.recent()
+    assert len(rows) == telemetry.HISTORY_ROWS and rows[-1]["version/default"] == telemetry.HISTORY_ROWS + 99
+    assert rows[0]["time"] <= time.time()
