@@ -68,6 +68,16 @@ def test_different_vocabularies_are_refused(saved_pair, tmp_path):
     other.save_pretrained(tmp_path / "d")
     with pytest.raises(ValueError, match="do not share a vocabulary"):
         load_pair(ModelConfig(target=str(root / "target"), draft=str(tmp_path / "d"), device="cpu"))
+    # The disaggregated replicas load each model alone, and never compared the tokenizers.
+    pytest.importorskip("ray.serve")
+    from deployments.config import AppConfig
+    from deployments.disagg import _load
+
+    cfg = AppConfig(target=str(root / "target"), draft=str(tmp_path / "d"), device="cpu", topology="disaggregated",
+                    distill={"backend": "ray_train"})
+    for role in ("target", "draft"):
+        with pytest.raises(ValueError, match="do not share a vocabulary"):
+            _load(cfg, role)
 
 
 def test_bad_config_values_name_the_field():
