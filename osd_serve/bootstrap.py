@@ -204,6 +204,20 @@ def make_model(dims: ModelDims, cfg: PairConfig, tokenizer, seed: int):
     return model
 
 
+def _umask() -> int:
+    """The process umask, read without setting it where Linux allows (os.umask is process-wide: setting
+    it, even for an instant, races with files other threads create)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _default_root() -> Path:
     return Path(os.environ.get("OSD_SERVE_HOME") or Path.home() / ".cache" / "osd-serve")
 
@@ -290,7 +304,8 @@ def build_pair(data_files: list[str] | None = None, out_root: str | None = None,
     for p in data_files or []:
         if not os.path.isfile(p):
             raise FileNotFoundError(f"data file not found (or not a regular file): {p}")
-    root = Path(out_root) if out_root else _default_root()
+    # Absolute: the printed paths are read from other directories (a Ray replica, another shell).
+    root = (Path(out_root) if out_root else _default_root()).expanduser().resolve()
     final = root / _cache_name(data_files, preset, cfg)
     if not force and _is_complete(final, cfg):
         return _paths(final)
@@ -300,6 +315,7 @@ def build_pair(data_files: list[str] | None = None, out_root: str | None = None,
     # Built beside its final place (same filesystem) so os.replace is one atomic rename; a
     # crash leaves only a .tmp-* directory that never carries the marker.
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would stay after the rename: a shared cache others can't read
     try:
         (tmp / "PID").write_text(_owner())
         with _all_cores():
@@ -342,12 +358,18 @@ def _build_into(out: Path, data_files: list[str] | None, cfg: PairConfig, preset
     print(f"[bootstrap] {len(train_docs)} train docs, {len(stream):,} tokens, vocab {len(tokenizer)}; "
           f"target {n_target / 1e6:.2f}M params, draft {n_draft / 1e6:.3f}M params", file=sys.stderr)
 
+    distill_prompts = make_prompts(train_docs, cfg.distill_prompts, cfg.seed + 3) if cfg.draft_distill else []
+    # Checked before minutes of training, not after: the distillation stream is each prompt, its greedy
+    # continuation (exactly distill_new_tokens) and EOS (lm_train.greedy_continuations).
+    n_paths = sum(len(tokenizer(p)["input_ids"]) + cfg.distill_new_tokens + 1 for p in distill_prompts)
+    if cfg.draft_distill and n_paths <= cfg.seq_len:
+        raise ValueError(f"the corpus gives {len(distill_prompts)} distinct distillation prompts, whose greedy paths "
+                         f"({n_paths} tokens) would not fill one {cfg.seq_len}-token window: give more or more varied data")
     target_loss = train_lm(target, stream, cfg.seq_len, cfg.target_train, cfg.seed, "train target")
     draft_loss = train_lm(draft, stream, cfg.seq_len, cfg.draft_train, cfg.seed + 1, "train draft")
     distill_kl = None
     if cfg.draft_distill:
         target.requires_grad_(False)
-        distill_prompts = make_prompts(train_docs, cfg.distill_prompts, cfg.seed + 3)
         paths = greedy_continuations(target, tokenizer, distill_prompts, cfg.distill_new_tokens)
         distill_kl = train_lm(draft, paths, cfg.seq_len, cfg.draft_distill, cfg.seed + 2, "distil draft", target)
     losses = {

@@ -197,7 +197,8 @@ def _replay_args(r: argparse.ArgumentParser) -> None:
     r.add_argument("--field", help="prompt field; comma-separated names try each in turn (default: first string field)")
     r.add_argument("--template", help="join fields, e.g. '{instruction}\\n{input}\\n' (overrides --field)")
     r.add_argument("--order", choices=["sequential", "shuffle"], default="sequential",
-                   help="sequential: files one after another (a distribution shift); shuffle: mixed")
+                   help="sequential: files one after another (a distribution shift; each file's share is a random sample of it, "
+                        "in random order); shuffle: all files mixed")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--max-requests", type=_at_least(1), default=None, help="total; sequential order gives each file an equal share")
     r.add_argument("--max-tokens", type=_at_least(1), default=64)

@@ -28,33 +28,76 @@ def record_text(record: object) -> str:
     return ""  # numbers, lists and nulls carry no text worth learning
 
 
-def _txt_documents(text: str) -> list[str]:
-    # Blank lines are the only document boundary plain text offers; without them, fixed line
-    # chunks still let us hold some documents out for prompts.
-    paras = [p for p in re.split(r"\n\s*\n", text) if p.strip()]
-    docs = []
-    for p in paras:
-        lines = p.splitlines(keepends=True)
-        docs.extend("".join(lines[i : i + 40]) for i in range(0, len(lines), 40))
-    return docs
+# A document longer than this is cut into pieces (at whitespace): a .txt without line breaks or one huge
+# record was one document, and a corpus of one document has none to hold out for prompts.
+MAX_DOC_CHARS = 16_000
+
+
+def _pieces(text: str, limit: int = MAX_DOC_CHARS) -> Iterator[str]:
+    while len(text) > limit:
+        cut = max(text.rfind(" ", limit // 2, limit), text.rfind("\n", limit // 2, limit))
+        cut = cut + 1 if cut > 0 else limit
+        yield text[:cut]
+        text = text[cut:]
+    yield text
+
+
+def _txt_documents(lines: Iterator[str]) -> Iterator[str]:
+    """Blank lines are the only document boundary plain text offers; without them, fixed line chunks
+    still let us hold some documents out for prompts. Streams: a large file is read only as far as the
+    corpus budget goes."""
+    chunk: list[str] = []
+    for line in lines:
+        if not line.strip():
+            if chunk:
+                yield "".join(chunk)
+            chunk = []
+            continue
+        chunk.append(line)
+        if len(chunk) == 40:
+            yield "".join(chunk)
+            chunk = []
+    if chunk:
+        yield "".join(chunk)
+
+
+def read_records(path: str) -> Iterator[object]:
+    """The JSON records of a .jsonl, .jsonl.gz or .json (an array, or one object) file, one at a time.
+    A bad line is named by file and line number; a UTF-8 BOM is allowed."""
+    name = path.lower()
+    try:
+        if name.endswith((".jsonl", ".jsonl.gz")):
+            with (gzip.open if name.endswith(".gz") else open)(path, "rt", encoding="utf-8-sig") as f:
+                for n, line in enumerate(f, 1):
+                    if line.strip():
+                        try:
+                            yield json.loads(line)
+                        except json.JSONDecodeError as e:
+                            raise ValueError(f"{path}:{n}: not valid JSON ({e.msg}, column {e.colno})") from None
+        elif name.endswith(".json"):
+            with open(path, encoding="utf-8-sig") as f:
+                try:
+                    data = json.load(f)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{e.lineno}: not valid JSON ({e.msg}, column {e.colno})") from None
+            yield from (data if isinstance(data, list) else [data])
+        else:
+            raise ValueError(f"data file {path!r}: unsupported type (want .jsonl, .jsonl.gz or .json)")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.start} of a read block: {e.reason})") from None
 
 
 def read_documents(path: str) -> Iterator[str]:
-    """Documents of one data file: .txt, .jsonl, .jsonl.gz or .json (array of objects)."""
-    name = path.lower()
-    if name.endswith((".jsonl", ".jsonl.gz")):
-        with (gzip.open if name.endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
-            texts = [record_text(json.loads(line)) for line in f if line.strip()]
-    elif name.endswith(".json"):
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-        texts = [record_text(rec) for rec in (data if isinstance(data, list) else [data])]
-    elif name.endswith(".txt"):
+    """Documents of one data file: .txt, .jsonl, .jsonl.gz or .json (array of objects), read lazily."""
+    if path.lower().endswith(".txt"):
         with open(path, encoding="utf-8", errors="replace") as f:
-            texts = _txt_documents(f.read())
-    else:
+            docs = _txt_documents(f)
+            yield from (p for d in docs if d.strip() for p in _pieces(d))
+        return
+    if not path.lower().endswith((".jsonl", ".jsonl.gz", ".json")):
         raise ValueError(f"data file {path!r}: unsupported type (want .txt, .jsonl, .jsonl.gz or .json)")
-    return (t for t in texts if t.strip())
+    texts = (record_text(r) for r in read_records(path))
+    yield from (p for t in texts if t.strip() for p in _pieces(t))
 
 
 def stdlib_files() -> list[Path]:
@@ -106,19 +149,23 @@ def split_heldout(docs: list[str], n: int, seed: int) -> tuple[list[str], list[s
 def make_prompts(held: list[str], n: int, seed: int) -> list[str]:
     """n distinct prompts; long held-out files give several (different random spots)."""
     rng, seen = random.Random(seed), {}  # a dict keeps first-seen order, unlike a set
-    for i in range(4 * n):
-        seen.setdefault(make_prompt(held[i % len(held)], rng))
-        if len(seen) == n:
-            break
+    # Records' first fields first; where those repeat (every record opening with one system prompt),
+    # random spots in them make up the rest.
+    for spot in (False, True):
+        for i in range(4 * n):
+            if len(seen) == n:
+                return list(seen)
+            seen.setdefault(make_prompt(held[i % len(held)], rng, spot))
     return list(seen)
 
 
-def make_prompt(doc: str, rng: random.Random, max_chars: int = 320) -> str:
-    """A short snippet of whole lines: a record's first field(s), or a random spot in a file."""
+def make_prompt(doc: str, rng: random.Random, spot: bool = False, max_chars: int = 320) -> str:
+    """A short snippet of whole lines: a record's first field(s), or a random spot in a file (or, with
+    ``spot``, in any document)."""
     lines = doc.splitlines(keepends=True)
     # A record (question, instruction, problem) opens with its natural prompt and the rest is
     # the answer, so take only its first field; a long file has no natural start.
-    is_record = len(doc) <= 2000
+    is_record = len(doc) <= 2000 and not spot
     start = 0 if is_record else rng.randrange(len(lines))
     while start < len(lines) and not lines[start].strip():
         start += 1

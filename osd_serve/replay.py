@@ -11,7 +11,6 @@ is lossless whatever the draft) and differ only in acceptance:
 from __future__ import annotations
 
 import copy
-import gzip
 import json
 import math
 import random
@@ -26,6 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .config import EngineConfig, SamplingParams
+from .corpus import read_records
 from .distill.guard import GuardConfig
 from .distill.online import OnlineDistiller
 from .distill.recorder import RecordConfig, Recorder
@@ -36,13 +36,9 @@ from .engine import SpecEngine
 
 
 def _records(path: str) -> list:
-    if path.endswith((".jsonl", ".jsonl.gz")):
-        with (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
-            return [json.loads(line) for line in f if line.strip()]
-    if path.endswith(".json"):
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-        return data if isinstance(data, list) else [data]
-    raise ValueError(f"--data {path!r}: want .jsonl, .jsonl.gz or .json")
+    if not path.endswith((".jsonl", ".jsonl.gz", ".json")):
+        raise ValueError(f"--data {path!r}: want .jsonl, .jsonl.gz or .json")
+    return list(read_records(path))
 
 
 def _prompt(rec, fields: list[str] | None, template: str | None, path: str) -> str | None:
@@ -227,7 +223,8 @@ def replay(target, draft, tokenizer, stream: list[dict], out_dir: str, params: S
                                   "positions_mean": sum(len(r.positions) for r in records) / len(records),
                                   "keep": record_cfg.keep, "topk": record_cfg.topk}
         result["throughput_while_training"] = throughput_ratio(eng, trainer, records, prompts[:16], params)
-    result["outputs_identical"] = all(o == outputs["online"] for o in outputs.values())
+    # With one run (--online-only) there is nothing to compare: null, not true.
+    result["outputs_identical"] = all(o == outputs["online"] for o in outputs.values()) if len(outputs) > 1 else None
     result["draft_unchanged"] = all(torch.equal(t, draft.state_dict()[n]) for n, t in base_state.items())
     (out / "result.json").write_text(json.dumps(result, indent=1))
     plot_alpha(result, out / "alpha.png")

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from osd_serve import bootstrap
 from osd_serve.bootstrap import build_pair
+from osd_serve import corpus
 from osd_serve.corpus import load_corpus, read_documents, record_text
 
 
@@ -153,6 +154,39 @@ def test_readers(tmp_path):
         list(read_documents(str(tmp_path / "d.csv")))
 
 
+def test_data_errors_name_the_file_and_line_and_long_texts_are_cut(tmp_path):
+    """Each line was parsed alone, so every JSON error said "line 1" and none named the file; a BOM
+    refused the file; a .txt without line breaks (or a huge record) was one document, and a corpus of
+    one document has none to hold out, so a 2 MB file could not build a pair."""
+    bad = tmp_path / "b.jsonl"
+    bad.write_text('{"q": "a"}\n{"q": "b"}\n{"q": "c\u0001 \n')
+    bad.write_bytes(bad.read_bytes().replace(b"\\u0001", b"\x01"))
+    with pytest.raises(ValueError, match=f"{bad}:3: not valid JSON"):
+        list(read_documents(str(bad)))
+    latin = tmp_path / "l.jsonl"
+    latin.write_bytes(b'{"q": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=f"{latin}: not UTF-8"):
+        list(read_documents(str(latin)))
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + b'{"q": "hello"}\n')
+    assert list(read_documents(str(bom))) == ["hello"]
+    one = tmp_path / "one.txt"
+    one.write_text("word " * 20_000)  # 100,000 characters, no line break
+    docs = list(read_documents(str(one)))
+    assert len(docs) == 7 and all(len(d) <= corpus.MAX_DOC_CHARS for d in docs) and "".join(docs) == one.read_text()
+
+
+def test_records_sharing_their_first_field_still_give_distinct_prompts():
+    """Chat records all opening with one system prompt gave one prompt for the bench and one distillation
+    prompt, and the default build then failed after all its training."""
+    held = [f"You are a helpful assistant.\nWhat is {i} times {i}?\n{i * i}" for i in range(50)]
+    prompts = corpus.make_prompts(held, 16, seed=0)
+    assert len(prompts) == 16 and len(set(prompts)) == 16
+    assert prompts[0] == "You are a helpful assistant.\n"  # the records' own first field comes first
+    varied = [f"Question {i}: what is {i} squared?\n{i * i}" for i in range(50)]
+    assert corpus.make_prompts(varied, 8, seed=0) == [f"Question {i}: what is {i} squared?\n" for i in range(8)]
+
+
 def test_build_from_data_files(tmp_path):
     data = tmp_path / "data"
     data.mkdir()
@@ -167,6 +201,12 @@ def test_build_from_data_files(tmp_path):
     assert [d["path"] for d in info["data_files"]] == [os.path.abspath(f) for f in files]
     tok = AutoTokenizer.from_pretrained(paths["draft"])
     assert len(tok) > 259  # BPE learnt merges from this data, not only the byte alphabet
+    # The printed paths are absolute whatever --out was (a Ray replica reads them from elsewhere), and
+    # the pair's directory is readable by others as the umask allows (mkdtemp made it 0700).
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(tmp_path)
+        assert build_pair(files, out_root="out", preset="tiny") == paths and os.path.isabs(paths["target"])
+    assert os.stat(os.path.dirname(paths["target"])).st_mode & 0o777 == 0o777 & ~bootstrap._umask()
     # Different data files are a different cache entry.
     assert bootstrap._cache_name(files[:1], "tiny", bootstrap.PRESETS["tiny"]) != os.path.basename(
         os.path.dirname(paths["target"]))
@@ -180,5 +220,6 @@ def test_a_long_first_record_does_not_leave_its_source_empty(tmp_path):
     (tmp_path / "long.txt").write_text("word " * share + "\n\nshort paragraph\n")
     (tmp_path / "small.jsonl").write_text("".join(json.dumps({"q": f"question {i}"}) + "\n" for i in range(5)))
     docs = load_corpus([str(tmp_path / "long.txt"), str(tmp_path / "small.jsonl")], cfg)
-    assert len(docs[0]) == share and docs[0].startswith("word word")
+    # (now cut into pieces of at most MAX_DOC_CHARS: the first fits the share, the next would not)
+    assert len(docs[0]) == min(share, corpus.MAX_DOC_CHARS) and docs[0].startswith("word word")
     assert docs[1:] == [f"question {i}" for i in range(5)]

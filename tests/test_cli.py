@@ -141,10 +141,20 @@ def test_replay_writes_result_and_figure(tiny_pair, tmp_path):
         assert set(run["per_request"][0]) >= {"acceptance", "expected_acceptance", "tokens_per_target_forward", "draft_version"}
     assert res["runs"]["online"]["updates"] >= 1
     assert 0 < res["throughput_while_training"]["ratio"]
-    assert res["draft_unchanged"]
+    assert res["draft_unchanged"] and res["outputs_identical"] in (True, False)
+    one = _cli("replay", "--target", pair["target"], "--draft", pair["draft"], "--data", str(data), "--field", "question",
+               "--max-requests", "2", "--max-tokens", "4", "--online-only", "--out", str(tmp_path / "one"))
+    assert one.returncode == 0, one.stderr
+    assert json.loads((tmp_path / "one" / "result.json").read_text())["outputs_identical"] is None  # one run: nothing compared
     bad = _cli("replay", "--target", pair["target"], "--draft", pair["draft"], "--data", str(data), "--field", "nope",
                "--out", str(tmp_path / "bad"))
     assert bad.returncode != 0 and "nope" in bad.stderr
+    # Training settings fail before the static run, not in the first update (with --online-only
+    # that error was swallowed by the training thread and the run exited 0).
+    for opt, val, msg in (("--chunk-size", "-1", "chunk_size"), ("--beta", "2", "beta")):
+        late = _cli("replay", "--target", pair["target"], "--draft", pair["draft"], "--data", str(data),
+                    "--loss", "jsd" if opt == "--beta" else "forward_kl", opt, val, "--out", str(tmp_path / "late"))
+        assert late.returncode != 0 and msg in late.stderr and "static" not in late.stderr
 
 
 def test_analytic_speedup_formula():

@@ -56,6 +56,12 @@ class TrainConfig:
             raise ValueError(f"recent_fraction must be in [0, 1], got {self.recent_fraction}")
         if not 0.0 <= self.student_fraction <= 1.0:
             raise ValueError(f"student_fraction must be in [0, 1], got {self.student_fraction}")
+        # Checked here, not in the losses: a replay failed only after its whole static run, and serving
+        # only at the first update.
+        if not 0.0 <= self.beta <= 1.0:
+            raise ValueError(f"beta must be in [0, 1], got {self.beta}")
+        if self.chunk_size < 0:
+            raise ValueError(f"chunk_size must be >= 0 (0: the plain loss), got {self.chunk_size}")
         if self.chunk_size and self.loss != "forward_kl":
             raise ValueError("chunk_size (the fused path) is implemented for loss='forward_kl' only")
         for name in ("lr", "steps_per_update", "batch_size"):
