@@ -188,7 +188,8 @@ def pack_linears(model: nn.Module, skinny: bool = True) -> int:
             continue
         w = mod.weight
         # inference tensors keep no version counter, so a change to one could not be noticed
-        if w.is_cpu and not w.is_inference() and w.dtype in (torch.float32, torch.bfloat16):
+        # (and not empty: oneDNN refuses a zero-size weight, and there is nothing to speed up)
+        if w.is_cpu and not w.is_inference() and w.dtype in (torch.float32, torch.bfloat16) and w.numel():
             mod.__class__ = PackedLinear
             mod._use_skinny = skinny
             mod._pack()

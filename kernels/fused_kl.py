@@ -24,7 +24,7 @@ def forward_kl_reference(student_logits, teacher_probs, mask=None) -> torch.Tens
     p = teacher_probs.float()
     log_q = torch.log_softmax(s, -1)
     plogp = torch.where(p > 0, p * p.clamp_min(1e-30).log(), torch.zeros_like(p))
-    per_row = (plogp - p * log_q).sum(-1)  # [N]
+    per_row = (plogp - torch.where(p > 0, p * log_q, 0.0)).sum(-1)  # [N]; p = 0 adds nothing, even where q = 0
     m = torch.ones_like(per_row) if mask is None else mask.float()
     return (per_row * m).sum() / m.sum().clamp_min(1.0)
 
@@ -34,7 +34,8 @@ def _rows_fwd_torch(s: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, tor
     s, p = s.float(), p.float()
     lse = torch.logsumexp(s, -1)
     plogp = torch.where(p > 0, p * p.clamp_min(1e-30).log(), torch.zeros_like(p)).sum(-1)
-    return plogp - (p * s).sum(-1) + lse * p.sum(-1), lse
+    # p = 0 where s = -inf (a masked vocabulary) adds nothing: never 0 * -inf = NaN
+    return plogp - torch.where(p > 0, p * s, 0.0).sum(-1) + lse * p.sum(-1), lse
 
 
 def _rows_bwd_torch(s, p, lse, g) -> torch.Tensor:

@@ -37,9 +37,11 @@ if HAS_TRITON:
             s = tl.load(s_row + cols, mask=ok, other=float("-inf")).to(tl.float32)
             p = tl.load(p_row + cols, mask=ok, other=0.0).to(tl.float32)
             m_new = tl.maximum(m, tl.max(s, 0))
-            z = z * tl.exp(m - m_new) + tl.sum(tl.where(ok, tl.exp(s - m_new), 0.0), 0)
+            # While every logit so far is -inf, m_new is too and exp(-inf - -inf) would be NaN: nothing to rescale.
+            alpha = tl.where(m_new == float("-inf"), 0.0, tl.exp(m - m_new))
+            z = z * alpha + tl.sum(tl.where(ok & (s > float("-inf")), tl.exp(s - m_new), 0.0), 0)
             m = m_new
-            ps += tl.sum(p * tl.where(ok, s, 0.0), 0)  # p = 0 off the row: never 0 * -inf
+            ps += tl.sum(tl.where(p > 0, p * s, 0.0), 0)  # p = 0 (off the row, or a masked token): never 0 * -inf
             plogp += tl.sum(tl.where(p > 0, p * tl.log(tl.maximum(p, 1e-30)), 0.0), 0)
             psum += tl.sum(p, 0)
         lse = m + tl.log(z)

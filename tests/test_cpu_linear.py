@@ -236,3 +236,11 @@ def test_packed_target_decodes_like_the_unpacked_one(tok, skinny):
         want = [o.token_ids for o in SpecEngine(target, draft, tok).generate(prompts, params)]
         got = [o.token_ids for o in SpecEngine(packed, draft, tok).generate(prompts, params)]
     assert got == want
+
+
+def test_an_empty_linear_is_left_unpacked():
+    """oneDNN refuses a zero-size weight: packing a model with one failed its whole load."""
+    model = nn.Sequential(nn.Linear(8, 0), nn.Linear(0, 4), nn.Linear(8, 4))
+    assert pack_linears(model) == 1 and type(model[0]) is nn.Linear and type(model[2]) is PackedLinear
+    with torch.no_grad():
+        assert model[0](torch.randn(2, 8)).shape == (2, 0)

@@ -68,3 +68,26 @@ def test_identical_distributions_give_zero():
 def test_shape_mismatch_is_refused():
     with pytest.raises(ValueError, match="shapes differ"):
         chunked_forward_kl(torch.zeros(2, 3), torch.zeros(2, 4))
+
+
+@pytest.mark.parametrize("use_triton", BACKENDS, ids=lambda t: "triton" if t else "torch")
+def test_masked_vocabulary_gives_the_exact_kl_not_nan(use_triton):
+    """A student logit of -inf where the teacher puts no mass adds nothing to KL(p || q), but
+    0 * -inf made the loss NaN (every backend and the reference); in the Triton forward a row whose
+    first block of logits was all -inf got lse = NaN, and so did its whole gradient."""
+    from kernels.fused_kl_triton import BLOCK_V
+
+    torch.manual_seed(0)
+    v = 2 * BLOCK_V
+    s = torch.randn(3, v)
+    s[0, :BLOCK_V] = float("-inf")  # a whole first block masked
+    s[1, ::7] = float("-inf")  # scattered
+    p = torch.softmax(torch.randn(3, v), -1).masked_fill(s == float("-inf"), 0.0)
+    p = p / p.sum(-1, keepdim=True)
+    finite = s.masked_fill(s == float("-inf"), -1e4)  # the same distribution q, written with finite logits
+    want = forward_kl_reference(finite, p)
+    assert torch.isfinite(forward_kl_reference(s, p)) and torch.allclose(forward_kl_reference(s, p), want, atol=1e-5)
+    x = s.clone().requires_grad_(True)
+    loss = chunked_forward_kl(x, p, chunk_size=2, use_triton=use_triton)
+    loss.backward()
+    assert torch.allclose(loss, want, atol=1e-5) and torch.isfinite(x.grad).all()
