@@ -21,7 +21,7 @@ import copy
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 
 class GrowingLayer(DynamicLayer):
@@ -82,11 +82,46 @@ class GrowingLayer(DynamicLayer):
 
 
 def new_cache(config) -> DynamicCache:
-    """A ``DynamicCache`` for ``config`` whose full-attention layers append in place (sliding-window and
-    other special layers keep their own classes)."""
+    """A ``DynamicCache`` for ``config`` whose layers append in place. Sliding-window layers become full
+    ones too: the engine keeps sequences within the window (see ``full_attention_within_window``)."""
     cache = DynamicCache(config=config)
-    cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    for layer in cache.layers:
+        if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer):
+            raise ValueError(f"{type(layer).__name__} cache layers are not supported (holes and rollback need "
+                             f"full key/value columns)")
+    cache.layers = [GrowingLayer() for _ in cache.layers]
     return cache
+
+
+def sliding_window(config) -> int | None:
+    """The smallest attention window of a model with sliding-window layers, else None."""
+    c = getattr(config, "text_config", config)
+    w = getattr(c, "_osd_sliding_window", None) or getattr(c, "sliding_window", None)
+    types = getattr(c, "layer_types", None)
+    if not w or getattr(c, "use_sliding_window", True) is False or (types is not None and "sliding_attention" not in types):
+        return None
+    return int(w)
+
+
+def full_attention_within_window(model) -> None:
+    """A sliding window over the *physical* cache would be wrong with holes (rejected drafts leave
+    columns that are not tokens), so the engine caps sequences at the window (``loading.max_positions``)
+    and the model attends over all of them, which within the window is the same thing: every key a
+    query may see is inside its window. The model's config keeps its window as _osd_sliding_window."""
+    for c in {id(x): x for x in (model.config, getattr(model.config, "text_config", model.config))}.values():
+        w = sliding_window(c)
+        if w:
+            c._osd_sliding_window, c.sliding_window = w, 1 << 30
+
+
+# Models whose attention depends on where a key sits in the cache, not on its position_ids and the mask:
+# holes would change their output (MPT's ALiBi over the physical key index; GPT-Neo's local layers,
+# a window over physical columns).
+def check_holes_invisible(config) -> None:
+    c = getattr(config, "text_config", config)
+    if c.model_type == "mpt" or (c.model_type == "gpt_neo" and "local" in str(getattr(c, "attention_layers", ""))):
+        raise ValueError(f"model type {c.model_type!r} is not supported: its attention reads a key's place in the "
+                         f"cache rather than its position ids, so the cache's holes (rejected drafts) would change its output")
 
 
 def max_input_id(model) -> int:
@@ -98,6 +133,8 @@ def max_input_id(model) -> int:
 
 class BatchKV:
     def __init__(self, model, batch_size: int, device: torch.device):
+        check_holes_invisible(model.config)
+        full_attention_within_window(model)
         self.model = model
         self.max_id = max_input_id(model)
         self.cache: DynamicCache | None = None

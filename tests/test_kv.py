@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from osd_serve.config import EngineConfig, SamplingParams
@@ -134,3 +135,47 @@ def test_bench_forward_cost_times_appends_in_place(tok, monkeypatch):
         bench.forward_cost(model, 3, 20, len(tok), torch.device("cpu"), repeats=6, tokens=tokens)
         assert len(buffers) == 2
         assert all(len(ptrs) == 1 for ptrs in buffers.values()), "a timed forward reallocated the cache"
+
+
+def test_sliding_window_models_decode_within_their_window(tok):
+    """Mistral-style models (Mistral-7B: window 4096) kept a sliding-window cache layer that holes and
+    rollback do not fit: the first rejected draft crashed the step. Sequences are now capped at the
+    window, within which full attention is the same model, and the output is the target's own greedy."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from osd_serve.config import SamplingParams
+    from osd_serve.engine import SpecEngine
+    from tests.conftest import _finish, perturbed
+
+    torch.manual_seed(0)
+    cfg = MistralConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3, sliding_window=48,
+                        max_position_embeddings=256, attn_implementation="sdpa", bos_token_id=None, pad_token_id=0)
+    target = _finish(MistralForCausalLM(cfg), None)
+    draft = perturbed(target, 0.02)
+    prompts = [[(7 * i + j) % (len(tok) - 1) + 1 for j in range(3 + 4 * i)] for i in range(6)]
+    want = []
+    with torch.no_grad():  # the target's own greedy decoding, one prompt at a time, full recompute
+        for p in prompts:
+            ids = list(p)
+            for _ in range(20):
+                ids.append(int(target(torch.tensor([ids])).logits[0, -1].argmax()))
+            want.append(ids[len(p):])
+    for k in (0, 1, 3, 5):
+        eng = SpecEngine(target, draft, tok)
+        assert eng.max_model_len == 48  # the window
+        outs = eng.generate(prompts, SamplingParams(max_tokens=20, num_speculative_tokens=k, ignore_eos=True))
+        assert [o.token_ids for o in outs] == want
+    with pytest.raises(ValueError, match="max_model_len"):  # past the window: refused, not decoded wrongly
+        SpecEngine(target, draft, tok).generate([prompts[-1]], SamplingParams(max_tokens=40))
+
+
+def test_models_whose_attention_reads_cache_places_are_refused():
+    """MPT's ALiBi reads a key's physical index, so holes changed its greedy output at batch > 1."""
+    from transformers import MptConfig, MptForCausalLM
+
+    from osd_serve.kv import BatchKV
+
+    m = MptForCausalLM(MptConfig(vocab_size=32, d_model=32, n_heads=4, n_layers=1, max_seq_len=64))
+    with pytest.raises(ValueError, match="'mpt' is not supported"):
+        BatchKV(m, 1, torch.device("cpu"))
