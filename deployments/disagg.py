@@ -234,7 +234,7 @@ class DisaggBackend:
     def _load(self) -> None:
         from transformers import GenerationConfig
 
-        from osd_serve.loading import load_tokenizer, pair_limits
+        from osd_serve.loading import expand, load_tokenizer, pair_limits
         from osd_serve.output import eos_token_ids
         from osd_serve.service import model_paths
 
@@ -242,7 +242,7 @@ class DisaggBackend:
         self.tokenizer = load_tokenizer(target)
         self.vocab, self.max_len = pair_limits(target, draft, self.cfg.max_model_len)
         try:
-            gen = GenerationConfig.from_pretrained(target)
+            gen = GenerationConfig.from_pretrained(expand(target))
         except OSError:
             gen = None
         self.eos = eos_token_ids(gen, self.tokenizer)

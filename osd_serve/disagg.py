@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import torch
 
 from .engine import StepStats
-from .kv import BatchKV, pad_right
+from .kv import BatchKV, make_hole_safe, pad_right
 from .output import Request, StreamDelta
 from .sampling import seeded_generator
 from .spec import RowState, accept, fit_vocab, propose
@@ -119,6 +119,7 @@ class SeqCaches:
 
     def __init__(self, model, device: torch.device, max_seqs: int = 1024, idle_s: float = IDLE_ROW_S,
                  clock: Callable[[], float] = time.monotonic):
+        make_hole_safe(model)
         self.model, self.device, self.max_seqs, self.idle_s, self.clock = model, device, max_seqs, idle_s, clock
         self.slab = BatchKV(model, 0, device)
         self.slab_ids: list[str] = []

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import EngineConfig, SamplingParams
-from .kv import BatchKV, pad_right
+from .kv import BatchKV, make_hole_safe, pad_right
 from .loading import max_positions
 from .output import Completion, Request, StreamDelta, check_prompt, eos_token_ids
 from .sampling import seeded_generator
@@ -50,6 +50,8 @@ class StepStats:
 class SpecEngine:
     def __init__(self, target, draft, tokenizer, config: EngineConfig | None = None, recorder=None):
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
+        for m in (target, draft):
+            make_hole_safe(m)
         # Online distillation hooks: a Recorder (distill/recorder.py) sees every step and finished
         # request; swap_draft() publishes new draft weights, applied between steps.
         self.recorder = recorder

@@ -114,14 +114,17 @@ def full_attention_within_window(model) -> None:
             c._osd_sliding_window, c.sliding_window = w, 1 << 30
 
 
-# Models whose attention depends on where a key sits in the cache, not on its position_ids and the mask:
-# holes would change their output (MPT's ALiBi over the physical key index; GPT-Neo's local layers,
-# a window over physical columns).
-def check_holes_invisible(config) -> None:
-    c = getattr(config, "text_config", config)
+def make_hole_safe(model) -> None:
+    """Once per model, by whatever owns its caches (the engine, a disaggregated worker), before any
+    BatchKV of it runs a forward: refuse models whose attention depends on where a key sits in the cache
+    rather than on its position_ids and the mask, since holes would change their output (MPT's ALiBi over
+    the physical key index; GPT-Neo's local layers, a window over physical columns), and let
+    sliding-window models attend over the whole (capped) sequence (``full_attention_within_window``)."""
+    c = getattr(model.config, "text_config", model.config)
     if c.model_type == "mpt" or (c.model_type == "gpt_neo" and "local" in str(getattr(c, "attention_layers", ""))):
         raise ValueError(f"model type {c.model_type!r} is not supported: its attention reads a key's place in the "
                          f"cache rather than its position ids, so the cache's holes (rejected drafts) would change its output")
+    full_attention_within_window(model)
 
 
 def max_input_id(model) -> int:
@@ -133,8 +136,7 @@ def max_input_id(model) -> int:
 
 class BatchKV:
     def __init__(self, model, batch_size: int, device: torch.device):
-        check_holes_invisible(model.config)
-        full_attention_within_window(model)
+        """``model`` went through ``make_hole_safe`` (its owner does that once: this runs per admission)."""
         self.model = model
         self.max_id = max_input_id(model)
         self.cache: DynamicCache | None = None

@@ -32,9 +32,6 @@ class ModelConfig:
     cpu_packed_linear: bool = True  # on CPU, the target's linears on oneDNN prepacked weights and the skinny kernel (kernels/cpu_linear.py)
 
     def __post_init__(self) -> None:
-        # "~/models/x" is a directory to the user; transformers would take it for a malformed hub id
-        self.target, self.draft = expand(self.target), expand(self.draft)
-        self.draft_adapters = {n: expand(p) for n, p in self.draft_adapters.items()}
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.attn_implementation not in ("auto", "flash_attention_2", "sdpa", "eager"):
@@ -55,7 +52,8 @@ class ModelConfig:
 
 
 def expand(name: str) -> str:
-    """A model or adapter given as ``~/...`` names a directory (no hub id starts with ``~``)."""
+    """A model or adapter given as ``~/...`` names a directory (no hub id starts with ``~``); transformers
+    would take it for a malformed hub id. Every loader here expands what it is given."""
     return os.path.expanduser(name)
 
 
@@ -150,11 +148,11 @@ def pair_limits(target: str, draft: str, max_model_len: int) -> tuple[int, int]:
     from transformers import AutoConfig
 
     configs = []
-    for name, role in ((target, "target"), (draft, "draft")):
+    for name, role in ((expand(target), "target"), (expand(draft), "draft")):
         try:
-            configs.append(AutoConfig.from_pretrained(expand(name)))
+            configs.append(AutoConfig.from_pretrained(name))
         except Exception as e:
-            raise _load_error(expand(name), role, e) from e
+            raise _load_error(name, role, e) from e
     t, d = (getattr(c, "text_config", c) for c in configs)
     return t.vocab_size, min(max_model_len, max_positions(t), max_positions(d))
 

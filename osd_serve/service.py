@@ -27,7 +27,7 @@ from .telemetry import Telemetry
 def model_paths(cfg) -> tuple[str, str]:
     """cfg.target/draft, or the embedded default pair, built first (progress on stderr) if missing."""
     if cfg.target is not None:
-        return os.path.expanduser(cfg.target), os.path.expanduser(cfg.draft)
+        return cfg.target, cfg.draft
     from .bootstrap import build_pair
 
     pair = build_pair()

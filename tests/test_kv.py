@@ -170,12 +170,14 @@ def test_sliding_window_models_decode_within_their_window(tok):
         SpecEngine(target, draft, tok).generate([prompts[-1]], SamplingParams(max_tokens=40))
 
 
-def test_models_whose_attention_reads_cache_places_are_refused():
+def test_models_whose_attention_reads_cache_places_are_refused(tok):
     """MPT's ALiBi reads a key's physical index, so holes changed its greedy output at batch > 1."""
     from transformers import MptConfig, MptForCausalLM
 
-    from osd_serve.kv import BatchKV
+    from osd_serve.disagg import DraftWorker
 
-    m = MptForCausalLM(MptConfig(vocab_size=32, d_model=32, n_heads=4, n_layers=1, max_seq_len=64))
+    m = MptForCausalLM(MptConfig(vocab_size=len(tok), d_model=32, n_heads=4, n_layers=1, max_seq_len=64))
     with pytest.raises(ValueError, match="'mpt' is not supported"):
-        BatchKV(m, 1, torch.device("cpu"))
+        SpecEngine(m, m, tok)
+    with pytest.raises(ValueError, match="'mpt' is not supported"):
+        DraftWorker(m, len(tok))
