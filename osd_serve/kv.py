@@ -5,8 +5,10 @@ different number of them. Instead of cutting the batch to its shortest acceptanc
 cache every step, rejected columns stay in place as *holes*: they are masked out of attention by the 2D
 attention mask, and every row carries explicit ``position_ids`` so its logical positions stay
 contiguous. Transformers builds the causal mask from the physical cache length, so holes are
-invisible to the model (checked to float precision in tests/test_kv.py). Once holes take more than a
-set fraction of the columns, :meth:`BatchKV.compact` squeezes them out with one gather per layer.
+invisible to the model (checked to float precision in tests/test_kv.py); sliding-window models are the
+exception, their window counts columns, so they get 4D masks over logical positions (``window_masks``).
+Once holes take more than a set fraction of the columns, :meth:`BatchKV.compact` squeezes them out
+with one gather per layer.
 
 Rows are right-aligned after compaction and merges (holes on the left), and prompts are right-padded,
 so no query row is ever fully masked.
@@ -83,7 +85,8 @@ class GrowingLayer(DynamicLayer):
 
 def new_cache(config) -> DynamicCache:
     """A ``DynamicCache`` for ``config`` whose layers append in place. Sliding-window layers become full
-    ones too: the engine keeps sequences within the window (see ``full_attention_within_window``)."""
+    ones too: their window is applied by the mask over logical positions (``window_masks``), since a
+    layer that keeps only the last W columns would drop tokens once holes take some of them."""
     cache = DynamicCache(config=config)
     for layer in cache.layers:
         if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer):
@@ -94,37 +97,64 @@ def new_cache(config) -> DynamicCache:
 
 
 def sliding_window(config) -> int | None:
-    """The smallest attention window of a model with sliding-window layers, else None."""
+    """The attention window of a model with sliding-window layers, else None."""
     c = getattr(config, "text_config", config)
-    w = getattr(c, "_osd_sliding_window", None) or getattr(c, "sliding_window", None)
+    w = getattr(c, "sliding_window", None)
     types = getattr(c, "layer_types", None)
     if not w or getattr(c, "use_sliding_window", True) is False or (types is not None and "sliding_attention" not in types):
         return None
     return int(w)
 
 
-def full_attention_within_window(model) -> None:
-    """A sliding window over the *physical* cache would be wrong with holes (rejected drafts leave
-    columns that are not tokens), so the engine caps sequences at the window (``loading.max_positions``)
-    and the model attends over all of them, which within the window is the same thing: every key a
-    query may see is inside its window. The model's config keeps its window as _osd_sliding_window."""
-    for c in {id(x): x for x in (model.config, getattr(model.config, "text_config", model.config))}.values():
-        w = sliding_window(c)
-        if w:
-            c._osd_sliding_window, c.sliding_window = w, 1 << 30
+def window_masks(key_pos: torch.Tensor, query_pos: torch.Tensor, query_valid: torch.Tensor, window: int,
+                 mixed: bool, dtype: torch.dtype | None):
+    """Additive 4D attention masks over *logical* positions, for models with sliding-window layers.
+
+    Why: transformers builds a sliding window over physical cache columns, and rejected drafts leave
+    holes between them, so a physical window would hide keys that are logically inside it. A 4D mask is
+    passed to attention as it is, so the window here is the model's own (a key at logical position j is
+    seen from position i when i - W < j <= i, transformers' ``sliding_window_overlay``).
+
+    key_pos     [B, K] logical position of each key column, -1 for a hole (the last T are the inputs).
+    query_pos   [B, T] logical position of each input; query_valid [B, T] bool (padding is False).
+    dtype       None for a bool mask (SDPA; a quarter of a float32 one, for long prefills), else the
+                additive mask eager attention adds to its scores (0 or the dtype's minimum).
+    returns     [B, 1, T, K] mask, or for models that mix full and sliding layers,
+                {"full_attention": ..., "sliding_attention": ...}, the mapping their forward takes.
+    """
+    t, k = query_pos.shape[1], key_pos.shape[1]
+    kp, qp = key_pos[:, None, None, :], query_pos[:, None, :, None]  # [B, 1, 1, K], [B, 1, T, 1]
+    full = (kp >= 0) & (kp <= qp)  # [B, 1, T, K]
+    # A padding input attends to itself only: its output is never read, and no row is fully masked.
+    own = torch.zeros(t, k, dtype=torch.bool, device=key_pos.device)  # [T, K]
+    own[:, k - t :] = torch.eye(t, dtype=torch.bool, device=key_pos.device)
+    pad = ~query_valid[:, None, :, None]  # [B, 1, T, 1]
+    full = torch.where(pad, own, full)
+    slide = full & ((kp > qp - window) | pad)
+
+    def form(m: torch.Tensor) -> torch.Tensor:
+        if dtype is None:
+            return m
+        return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, torch.finfo(dtype).min)
+
+    if mixed:
+        return {"full_attention": form(full), "sliding_attention": form(slide)}
+    return form(slide)
 
 
 def make_hole_safe(model) -> None:
     """Once per model, by whatever owns its caches (the engine, a disaggregated worker), before any
     BatchKV of it runs a forward: refuse models whose attention depends on where a key sits in the cache
     rather than on its position_ids and the mask, since holes would change their output (MPT's ALiBi over
-    the physical key index; GPT-Neo's local layers, a window over physical columns), and let
-    sliding-window models attend over the whole (capped) sequence (``full_attention_within_window``)."""
+    the physical key index; GPT-Neo's local layers, a window over physical columns), and sliding-window
+    models on flash-attention-2, which takes no 4D mask (``window_masks``)."""
     c = getattr(model.config, "text_config", model.config)
     if c.model_type == "mpt" or (c.model_type == "gpt_neo" and "local" in str(getattr(c, "attention_layers", ""))):
         raise ValueError(f"model type {c.model_type!r} is not supported: its attention reads a key's place in the "
                          f"cache rather than its position ids, so the cache's holes (rejected drafts) would change its output")
-    full_attention_within_window(model)
+    if sliding_window(c) and getattr(model.config, "_attn_implementation", None) == "flash_attention_2":
+        raise ValueError(f"model type {c.model_type!r} has sliding-window layers, which need a 4D attention mask "
+                         f"over logical positions; flash_attention_2 takes none: use attn_implementation sdpa or eager")
 
 
 def max_input_id(model) -> int:
@@ -139,6 +169,9 @@ class BatchKV:
         """``model`` went through ``make_hole_safe`` (its owner does that once: this runs per admission)."""
         self.model = model
         self.max_id = max_input_id(model)
+        c = getattr(model.config, "text_config", model.config)
+        self.window = sliding_window(c)  # sliding-window models always get window_masks
+        self.mixed = self.window is not None and "full_attention" in (getattr(c, "layer_types", None) or ())
         self.cache: DynamicCache | None = None
         # Logical position of each cache column, -1 for a hole.
         self.col_pos = torch.full((batch_size, 0), -1, dtype=torch.long, device=device)  # [B, P]
@@ -169,17 +202,23 @@ class BatchKV:
             self.cache = new_cache(self.model.config)
         offs = input_valid.long().cumsum(1) - 1  # [B, T]
         pos = self.length[:, None] + offs.clamp_min(0)  # [B, T]
-        mask = torch.cat([self.valid, input_valid], dim=1)  # [B, P+T]
-        # No holes anywhere: let attention take its plain causal path instead of building a 4D mask.
-        no_holes = bool(mask.all())
+        new_pos = torch.where(input_valid, pos, -1)  # [B, T]
+        if self.window:
+            sdpa = getattr(self.model.config, "_attn_implementation", None) == "sdpa"
+            attention_mask = window_masks(torch.cat([self.col_pos, new_pos], 1), pos, input_valid, self.window,
+                                          self.mixed, None if sdpa else self.model.dtype)
+        else:
+            mask = torch.cat([self.valid, input_valid], dim=1)  # [B, P+T]
+            # No holes anywhere: let attention take its plain causal path instead of building a 4D mask.
+            attention_mask = None if bool(mask.all()) else mask.long()
         out = self.model(
             input_ids=input_ids.clamp(max=self.max_id),
-            attention_mask=None if no_holes else mask.long(),
+            attention_mask=attention_mask,
             position_ids=pos,
             past_key_values=self.cache,
             use_cache=True,
         )
-        self.col_pos = torch.cat([self.col_pos, torch.where(input_valid, pos, -1)], dim=1)
+        self.col_pos = torch.cat([self.col_pos, new_pos], dim=1)
         self.length = self.length + input_valid.long().sum(1)
         return out.logits
 

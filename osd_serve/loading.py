@@ -121,25 +121,28 @@ def load_tokenizer(name: str, role: str = "target"):
 def load_model(name: str, role: str, device: torch.device, dtype: torch.dtype, attn: str = "auto"):
     from transformers import AutoModelForCausalLM
 
+    from transformers import AutoConfig
+
+    from .kv import sliding_window
+
     name, impl = expand(name), attention_backend(device, attn)  # a bad attention choice is its own error
-    # auto without flash-attn: let transformers pick SDPA where the model has it and eager where it has not
-    # (Bloom, GPT-J, CodeGen, Gemma2 refuse an explicit "sdpa")
-    impl = None if attn == "auto" and impl == "sdpa" else impl
     try:
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation=impl)
+        config = AutoConfig.from_pretrained(name)
+        # auto without flash-attn, or for a sliding-window model (its window comes as a 4D mask, which
+        # flash-attn does not take, kv.window_masks): let transformers pick SDPA where the model has it
+        # and eager where it has not (Bloom, GPT-J, CodeGen, Gemma2 refuse an explicit "sdpa")
+        if attn == "auto" and (impl == "sdpa" or sliding_window(config)):
+            impl = None
+        model = AutoModelForCausalLM.from_pretrained(name, config=config, dtype=dtype, attn_implementation=impl)
     except Exception as e:  # truncated safetensors, unknown architectures: named, not a traceback
         raise _load_error(name, role, e) from e
     return model.to(device).eval()
 
 
 def max_positions(config) -> int:
-    """The longest sequence a model's config allows (unbounded if it names no limit), and no longer than
-    its sliding window: within it, the window never hides a key (kv.full_attention_within_window)."""
-    from .kv import sliding_window
-
+    """The longest sequence a model's config allows (unbounded if it names no limit)."""
     c = getattr(config, "text_config", config)
-    limit = getattr(c, "max_position_embeddings", None) or getattr(c, "n_positions", None) or 1 << 30
-    return min(limit, sliding_window(c) or limit)
+    return getattr(c, "max_position_embeddings", None) or getattr(c, "n_positions", None) or 1 << 30
 
 
 def pair_limits(target: str, draft: str, max_model_len: int) -> tuple[int, int]:

@@ -137,37 +137,70 @@ def test_bench_forward_cost_times_appends_in_place(tok, monkeypatch):
         assert all(len(ptrs) == 1 for ptrs in buffers.values()), "a timed forward reallocated the cache"
 
 
-def test_sliding_window_models_decode_within_their_window(tok):
-    """Mistral-style models (Mistral-7B: window 4096) kept a sliding-window cache layer that holes and
-    rollback do not fit: the first rejected draft crashed the step. Sequences are now capped at the
-    window, within which full attention is the same model, and the output is the target's own greedy."""
-    from transformers import MistralConfig, MistralForCausalLM
+def _windowed_pair(tok, kind: str, attn: str = "sdpa"):
+    """A tiny random-weight model with a 12-token window: Mistral (every layer sliding, no
+    layer_types) or Qwen2 with one full and two sliding layers (the mapping of masks)."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+    from tests.conftest import _finish
+
+    common = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, initializer_range=0.3, sliding_window=12, max_position_embeddings=256,
+                  attn_implementation=attn, bos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    if kind == "mistral":
+        return _finish(MistralForCausalLM(MistralConfig(num_hidden_layers=2, **common)), None)
+    model = Qwen2ForCausalLM(Qwen2Config(num_hidden_layers=3, use_sliding_window=True, max_window_layers=1, **common))
+    assert model.config.layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
+    return _finish(model, None)
+
+
+def _plain_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """The model's own greedy decoding: a full forward over the whole sequence for every token."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.mark.parametrize("kind, attn", [("mistral", "sdpa"), ("qwen2-mixed", "sdpa"), ("mistral", "eager")])
+def test_sliding_window_models_decode_past_their_window(tok, kind, attn):
+    """Sliding-window models (Mistral-7B: 4096, Phi-3-mini: 2047, Gemma3: 512/1024) get their window as
+    a mask over logical positions. Transformers' own window counts physical cache columns, which the holes
+    of rejected drafts break; before this the engine refused any sequence longer than the window. Prompts
+    and generations run far past a 12-token window; the output is the model's own greedy. SDPA takes a
+    bool mask, eager an additive one."""
     from osd_serve.config import SamplingParams
     from osd_serve.engine import SpecEngine
-    from tests.conftest import _finish, perturbed
+    from tests.conftest import perturbed
 
-    torch.manual_seed(0)
-    cfg = MistralConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3, sliding_window=48,
-                        max_position_embeddings=256, attn_implementation="sdpa", bos_token_id=None, pad_token_id=0)
-    target = _finish(MistralForCausalLM(cfg), None)
+    target = _windowed_pair(tok, kind, attn)
+    assert target.config._attn_implementation == attn
     draft = perturbed(target, 0.02)
     prompts = [[(7 * i + j) % (len(tok) - 1) + 1 for j in range(3 + 4 * i)] for i in range(6)]
-    want = []
-    with torch.no_grad():  # the target's own greedy decoding, one prompt at a time, full recompute
-        for p in prompts:
-            ids = list(p)
-            for _ in range(20):
-                ids.append(int(target(torch.tensor([ids])).logits[0, -1].argmax()))
-            want.append(ids[len(p):])
+    want = [_plain_greedy(target, p, 30) for p in prompts]
+    # The window matters: attending to every key gives another output.
+    w, target.config.sliding_window = target.config.sliding_window, 1 << 30
+    unwindowed = [_plain_greedy(target, p, 30) for p in prompts]
+    target.config.sliding_window = w
+    assert unwindowed != want
     for k in (0, 1, 3, 5):
         eng = SpecEngine(target, draft, tok)
-        assert eng.max_model_len == 48  # the window
-        outs = eng.generate(prompts, SamplingParams(max_tokens=20, num_speculative_tokens=k, ignore_eos=True))
-        assert [o.token_ids for o in outs] == want
-    with pytest.raises(ValueError, match="max_model_len"):  # past the window: refused, not decoded wrongly
-        SpecEngine(target, draft, tok).generate([prompts[-1]], SamplingParams(max_tokens=40))
+        assert eng.max_model_len == 256  # not capped at the window
+        stats = []
+        outs = eng.generate(prompts, SamplingParams(max_tokens=30, num_speculative_tokens=k, ignore_eos=True), stats)
+        assert [o.token_ids for o in outs] == want, k
+        if k:
+            assert 0 < sum(s.accepted for s in stats) < sum(s.proposed for s in stats)  # holes were made
+
+
+def test_sliding_window_models_refuse_flash_attention(tok):
+    """flash-attn takes no 4D mask, so it could only apply a window over physical columns."""
+    target = _windowed_pair(tok, "mistral")
+    target.config._attn_implementation_internal = "flash_attention_2"
+    with pytest.raises(ValueError, match="sliding-window layers.*flash_attention_2"):
+        SpecEngine(target, target, tok)
 
 
 def test_models_whose_attention_reads_cache_places_are_refused(tok):

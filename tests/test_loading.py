@@ -104,6 +104,22 @@ def test_attention_backend_choice(monkeypatch, flash_installed):
             attention_backend(torch.device("cuda"), "flash_attention_2")
 
 
+def test_auto_attention_keeps_sliding_window_models_off_flash_attn(monkeypatch, tmp_path, tok):
+    """Their window comes as a 4D mask over logical positions (kv.window_masks), which flash-attn does
+    not take: where auto would pick flash_attention_2, a sliding-window model gets transformers' choice."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from osd_serve import loading
+
+    cfg = MistralConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                        num_attention_heads=4, num_key_value_heads=2, sliding_window=16)
+    MistralForCausalLM(cfg).save_pretrained(tmp_path / "m")
+    requested = []
+    monkeypatch.setattr(loading, "attention_backend", lambda device, attn: requested.append(attn) or "flash_attention_2")
+    model = loading.load_model(str(tmp_path / "m"), "target", torch.device("cpu"), torch.float32)
+    assert requested == ["auto"] and model.config._attn_implementation == "sdpa"
+
+
 def test_a_flash_attn_that_fails_to_import_is_not_chosen(monkeypatch, tmp_path):
     """A flash-attn wheel built against another torch is installed but fails to import (an undefined
     symbol): found on disk, it was chosen, and every model load then failed."""
