@@ -28,6 +28,17 @@ def engine_failed() -> RequestError:
     return RequestError("the engine failed while generating this request; it was ended, retry it", None, 500)
 
 
+def admin_error(e: Exception, param: str | None) -> RequestError:
+    """An admin action the backend refused: a version that is not kept (KeyError) is a 404, a state
+    that does not allow it (no older version, distillation off) a 409. Behind Ray Serve the error comes
+    as a RayTaskError, itself a subclass of the cause's type, whose str() is the remote traceback (pids,
+    addresses, paths): the answer gives the cause's own message."""
+    cause = getattr(e, "cause", None)
+    e = cause if isinstance(cause, Exception) else e
+    msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+    return RequestError(str(msg), param if isinstance(e, KeyError) else None, 404 if isinstance(e, KeyError) else 409)
+
+
 def classify(prompt: str, cfg: AppConfig) -> str:
     """The configured keyword classifier: the first expert with a keyword in the prompt."""
     low = prompt.lower() if isinstance(prompt, str) else ""
@@ -41,7 +52,8 @@ def _authorized(request: Request, key: str | None) -> bool:
     if key is None:
         return True
     got = request.headers.get("authorization", "")
-    return got.startswith("Bearer ") and secrets.compare_digest(got[7:].encode(), key.encode())
+    # the scheme is case-insensitive (RFC 7235), the key is not
+    return got[:7].lower() == "bearer " and secrets.compare_digest(got[7:].encode(), key.encode())
 
 
 def make_app(backend, cfg: AppConfig) -> FastAPI:
@@ -73,7 +85,7 @@ def make_app(backend, cfg: AppConfig) -> FastAPI:
                 return JSONResponse(RequestError("missing or wrong admin key", None, 401).body(), 401)
         return await call_next(request)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         return {"status": "ok"}
 
@@ -89,6 +101,9 @@ def make_app(backend, cfg: AppConfig) -> FastAPI:
         # Chat is rendered where the tokenizer lives (the engine replica); the router classifies text.
         prompt = req.message_dicts() if chat else req.prompt
         text = "\n".join(m["content"] for m in prompt) if chat else prompt
+        if isinstance(text, str) and len(text) > cfg.prompt_char_limit:
+            field = "messages" if chat else "prompt"
+            raise RequestError(f"{field}: {len(text)} characters, more than max_prompt_chars ({cfg.prompt_char_limit})", field)
         expert = req.expert or classify(text, cfg)
         if expert not in backend.experts():
             raise RequestError(f"expert: unknown expert {expert!r}; known: {backend.experts()}", "expert")
@@ -158,7 +173,7 @@ def make_app(backend, cfg: AppConfig) -> FastAPI:
         try:
             return await backend.admin_rollback(expert, to)
         except (KeyError, ValueError) as e:
-            raise RequestError(str(e), "to") from None
+            raise admin_error(e, "to") from None
 
     @app.post("/admin/experts/{expert}/update")
     async def admin_update(expert: str):
@@ -166,7 +181,7 @@ def make_app(backend, cfg: AppConfig) -> FastAPI:
         try:
             return await backend.admin_update(expert)
         except ValueError as e:
-            raise RequestError(str(e), "expert") from None
+            raise admin_error(e, None) from None
 
     def _known(expert: str) -> None:
         if expert not in backend.experts():

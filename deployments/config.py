@@ -85,6 +85,9 @@ class AppConfig(_Strict):
     max_batch_size: int = Field(8, ge=1, le=256)
     num_speculative_tokens: int = Field(4, ge=0, le=16)
     max_model_len: int = Field(2048, ge=16)
+    # Longer prompts are refused before they are tokenized (a 12 MB prompt took 30 s to encode).
+    # None: 32 characters per token of max_model_len, far more than any tokenizer's text needs.
+    max_prompt_chars: int | None = Field(None, ge=1)
     # Keys: from here or the environment (OSD_API_KEY, OSD_ADMIN_KEY). No api_key: /v1 is open.
     # No admin_key: admin routes are disabled (404), never open.
     api_key: str | None = None
@@ -92,6 +95,10 @@ class AppConfig(_Strict):
     served_model_name: str = "osd-serve"
     distill: DistillConfig = DistillConfig()
     wandb: WandbConfig = WandbConfig()
+
+    @property
+    def prompt_char_limit(self) -> int:
+        return self.max_prompt_chars or 32 * self.max_model_len
 
     @field_validator("device")
     @classmethod

@@ -251,14 +251,12 @@ class DisaggBackend:
         return [e.name for e in self.cfg.experts]
 
     async def stream(self, expert: str, prompt, params: SamplingParams):
-        from osd_serve.output import check_prompt
-        from osd_serve.protocol import render_chat
+        from osd_serve.protocol import prepare_prompt
 
         await self._ensure_ready()
         t0 = time.perf_counter()
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-            prompt = render_chat(prompt, self.tokenizer)
-        text, ids = check_prompt(self.tokenizer, self.vocab, self.max_len, prompt, params)
+        # in a thread: a long prompt takes seconds to encode, which would stall this router's event loop
+        text, ids = await asyncio.to_thread(prepare_prompt, self.tokenizer, self.vocab, self.max_len, prompt, params)
         req = Request(f"seq-{uuid.uuid4().hex}", text, ids, params, None, expert=expert)
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         drafts = self.drafts.options(multiplexed_model_id=expert)

@@ -19,7 +19,7 @@ import torch
 from .config import EngineConfig, SamplingParams
 from .kv import BatchKV, make_hole_safe, pad_right
 from .loading import max_positions
-from .output import Completion, Request, StreamDelta, check_prompt, eos_token_ids
+from .output import Completion, Prompt, Request, StreamDelta, check_prompt, eos_token_ids
 from .sampling import seeded_generator
 from .spec import RowState, speculative_step
 
@@ -72,11 +72,15 @@ class SpecEngine:
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(
-        self, prompt: str | Sequence[int], params: SamplingParams | None = None, request_id: str | None = None,
+        self, prompt: str | Sequence[int] | Prompt, params: SamplingParams | None = None, request_id: str | None = None,
         expert: str = "default",
     ) -> str:
         params = params or SamplingParams()
-        text, ids = check_prompt(self.tokenizer, self.vocab, self.max_model_len, prompt, params)
+        if isinstance(prompt, Prompt):  # checked against this engine's limits already (AsyncSpecServer.generate)
+            params.validate()
+            text, ids = prompt
+        else:
+            text, ids = check_prompt(self.tokenizer, self.vocab, self.max_model_len, prompt, params)
         rid = request_id or f"req-{next(self._ids)}"
         gen = None
         if not params.greedy:

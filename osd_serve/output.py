@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from tokenizers.decoders import DecodeStream
@@ -11,17 +12,30 @@ from tokenizers.decoders import DecodeStream
 from .config import SamplingParams
 
 
-def check_prompt(tokenizer, vocab: int, max_model_len: int, prompt, params: SamplingParams) -> tuple[str, list[int]]:
-    """(text, ids) of a prompt given as text or token ids, or ValueError saying what is wrong with it."""
+class Prompt(NamedTuple):
+    """A prompt that ``check_prompt`` accepted: its text and token ids."""
+
+    text: str
+    ids: list[int]
+
+
+def check_prompt(tokenizer, vocab: int, max_model_len: int, prompt, params: SamplingParams) -> Prompt:
+    """(text, ids) of a prompt given as text or token ids, or ValueError saying what is wrong with it.
+    Tokenizing a long prompt takes seconds: servers call this in a thread (``asyncio.to_thread``), not
+    on their event loop or the engine loop, where it would stall every other request."""
     params.validate()
+    if params.max_tokens >= max_model_len:
+        raise ValueError(f"max_tokens {params.max_tokens} leaves no room for a prompt within max_model_len {max_model_len}")
     if isinstance(prompt, str):
-        text, ids = prompt, tokenizer.encode(prompt)
+        try:
+            text, ids = prompt, tokenizer.encode(prompt)
+        except (TypeError, UnicodeError) as e:  # e.g. a lone surrogate, which the tokenizer refuses
+            raise ValueError(f"prompt could not be tokenized: {e}") from None
     else:
-        ids = [int(t) for t in prompt]
-        text = tokenizer.decode(ids)
+        ids, text = [int(t) for t in prompt], None
     if not ids:
         raise ValueError("prompt must contain at least one token")
-    if any(not 0 <= t < vocab for t in ids):
+    if any(not 0 <= t < vocab for t in ids):  # before decode, which overflows on huge ids
         raise ValueError(f"prompt token ids must be in [0, {vocab})")
     # Not + k: Request.step_k never drafts past max_tokens, so k needs no positions of its own.
     if len(ids) + params.max_tokens > max_model_len:
@@ -29,7 +43,7 @@ def check_prompt(tokenizer, vocab: int, max_model_len: int, prompt, params: Samp
             f"prompt is too long: {len(ids)} prompt tokens + max_tokens {params.max_tokens} "
             f"exceeds max_model_len {max_model_len}"
         )
-    return text, ids
+    return Prompt(tokenizer.decode(ids) if text is None else text, ids)
 
 
 def _decode(tokenizer, ids: list[int]) -> str:

@@ -1,7 +1,10 @@
 """OpenAI-compatible request and response shapes (completions and chat completions), pydantic.
 
-Unknown fields are refused (a 400 naming them) rather than silently ignored: a client that sends
-`logprobs` or `n=2` must learn that this server does not do them, not get something else.
+Unknown fields are refused (a 400 naming them) rather than silently ignored, and so are values of
+OpenAI fields this server does not implement (`logprobs: 5`, `n: 2`, a penalty): a client must learn
+that this server does not do them, not get something else. Their neutral values (`logprobs: null`,
+`frequency_penalty: 0`...), which clients send by default, are accepted. Types are strict: `"4"` is
+not a number and `true` is not a token id.
 Extensions beyond OpenAI: `top_k`, `expert` (pin a draft expert), `num_speculative_tokens`, `ignore_eos`.
 """
 
@@ -9,22 +12,59 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .config import MAX_SPECULATIVE_TOKENS, SEED_RANGE, TOP_K_LIMIT, SamplingParams
+from .output import Prompt, check_prompt
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _Strict(BaseModel):
+    # strict: JSON types as sent, no coercion. Lenient pydantic took "max_tokens": "4", "stream": "yes",
+    # and "prompt": [true, false] as the token ids [1, 0] (EOS and BOS of the default pair).
+    model_config = ConfigDict(extra="forbid", strict=True)
 
+
+def _unicode(v):
+    """Text a tokenizer can take: JSON may carry a lone UTF-16 surrogate ("\udc80"), which Python keeps
+    in a str and the tokenizer then refuses with a TypeError (a 500 before this check)."""
+    for s in [v] if isinstance(v, str) else v if isinstance(v, list) else []:
+        if isinstance(s, str):
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"not valid Unicode text (a lone surrogate at character {e.start})") from None
+    return v
+
+
+# OpenAI fields this server does not implement: accepted only at the value that asks for nothing
+# (SDK wrappers send them by default), any other value refused, never ignored. name -> (neutral
+# values, why not).
+_UNIMPLEMENTED = {
+    "frequency_penalty": ((0,), "only 0 is supported: this server applies no penalties"),
+    "presence_penalty": ((0,), "only 0 is supported: this server applies no penalties"),
+    "logprobs": ((None, False, 0), "log probabilities are not returned by this server; send null, false or 0"),
+    "top_logprobs": ((None, 0), "log probabilities are not returned by this server; send null or 0"),
+    "logit_bias": ((None, {}), "logit bias is not supported; send null or {}"),
+    "echo": ((False,), "echo is not supported; send false"),
+    "best_of": ((None, 1), "only 1 is supported (one choice per request)"),
+    "suffix": ((None, ""), "suffix (insertion) is not supported"),
+}
+
+
+def _neutral_only(v, info):
+    neutral, why = _UNIMPLEMENTED[info.field_name]
+    if v not in neutral:  # by ==: 0.0 is 0; strict types already keep true out of the int fields
+        raise ValueError(why)
+    return v
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False  # a last chunk with no choices and the request's usage
 
 
-class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class _Sampling(_Strict):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -39,6 +79,18 @@ class _Sampling(BaseModel):
     expert: str | None = None
     num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_SPECULATIVE_TOKENS)
     ignore_eos: bool = False
+    # _UNIMPLEMENTED: accepted at their neutral values only
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logprobs: bool | int | None = None  # chat: bool, completions: int
+    top_logprobs: int | None = None
+    logit_bias: dict[str, float] | None = None
+    _neutral = field_validator("frequency_penalty", "presence_penalty", "logprobs", "top_logprobs", "logit_bias")(_neutral_only)
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_text(cls, v):
+        return _unicode(v)
 
     def sampling_params(self, default_k: int, default_max_tokens: int = 16) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -50,15 +102,41 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int]
+    prompt: str | list[Annotated[int, Field(ge=0)]]
+    echo: bool = False  # these three: _UNIMPLEMENTED, accepted at their neutral values only
+    best_of: int | None = None
+    suffix: str | None = None
+    _neutral_completion = field_validator("echo", "best_of", "suffix")(_neutral_only)
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_text(cls, v):
+        return _unicode(v)
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
 
-    role: Literal["system", "user", "assistant"]
-    content: str
+    @field_validator("text")
+    @classmethod
+    def _text(cls, v):
+        return _unicode(v)
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]  # developer: OpenAI's newer name for system
+    content: str | list[TextPart]
     name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content_text(cls, v):
+        return _unicode(v)
+
+    def as_dict(self) -> dict:
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
 
 
 class ChatRequest(_Sampling):
@@ -66,7 +144,7 @@ class ChatRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
 
     def message_dicts(self) -> list[dict]:
-        return [{"role": m.role, "content": m.content} for m in self.messages]
+        return [m.as_dict() for m in self.messages]
 
 
 def render_chat(messages: list[dict], tokenizer) -> str | list[int]:
@@ -74,9 +152,21 @@ def render_chat(messages: list[dict], tokenizer) -> str | list[int]:
     plain turns (as text). Templates write their own BOS ({{ bos_token }} in Llama-3's, Mistral's,
     Gemma's), so their text is encoded without the special tokens encode() would add: a second BOS."""
     if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001  templates raise their own rules ("roles must alternate")
+            raise ValueError(f"messages: the model's chat template refused them: {e}") from None
         return tokenizer.encode(text, add_special_tokens=False)
     return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+
+
+def prepare_prompt(tokenizer, vocab: int, max_model_len: int, prompt, params: SamplingParams) -> Prompt:
+    """Text, token ids or chat messages [{"role", "content"}] as a checked Prompt. Tokenizer work: run it
+    in a thread (asyncio.to_thread); a 1 MB prompt takes seconds to encode, and the tokenizer lets go of
+    the GIL meanwhile."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+        prompt = render_chat(prompt, tokenizer)
+    return check_prompt(tokenizer, vocab, max_model_len, prompt, params)
 
 
 class RequestError(ValueError):
@@ -119,11 +209,13 @@ def validation_error(errors: list[dict]) -> RequestError:
     param = ".".join(map(str, loc)) or None
     members = [e["loc"][len(loc)] for e in errors if list(e["loc"][: len(loc)]) == loc and len(e["loc"]) > len(loc)]
     if param and len(members) > 1 and len(loc) < len(err["loc"]):
-        return RequestError(f"{param}: must be one of {', '.join(dict.fromkeys(map(str, members)))}", param)
-    return RequestError(f"{param}: {err['msg']}" if param else err["msg"], param)
+        kinds = dict.fromkeys(str(m).replace("constrained-int", "int >= 0") for m in members)
+        return RequestError(f"{param}: must be one of {', '.join(kinds)}", param)
+    msg = err["msg"].removeprefix("Value error, ")  # our validators' own words
+    return RequestError(f"{param}: {msg}" if param else msg, param)
 
 
-_FIELDS = ("prompt", "max_tokens", "temperature", "top_k", "top_p", "stop", "seed", "num_speculative_tokens", "expert")
+_FIELDS = ("prompt", "messages", "max_tokens", "temperature", "top_k", "top_p", "stop", "seed", "num_speculative_tokens", "expert")
 
 
 def engine_error(e: ValueError) -> RequestError:
@@ -133,7 +225,7 @@ def engine_error(e: ValueError) -> RequestError:
     return RequestError(msg, param)
 
 
-_FIELD_NAMES = {n for m in (CompletionRequest, ChatRequest, ChatMessage, StreamOptions) for n in m.model_fields}
+_FIELD_NAMES = {n for m in (CompletionRequest, ChatRequest, ChatMessage, StreamOptions, TextPart) for n in m.model_fields}
 
 
 def completion_body(rid: str, model: str, text: str, finish: str | None, usage: dict, chat: bool) -> dict:

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 from .config import EngineConfig, SamplingParams
 from .engine import SpecEngine, StepStats
-from .output import StreamDelta
+from .output import Prompt, StreamDelta
+from .protocol import prepare_prompt
 
 
 @dataclass
@@ -61,9 +62,13 @@ class AsyncSpecServer:
 
     async def generate(self, prompt, params: SamplingParams, expert: str = "default") -> AsyncIterator[StreamDelta]:
         """Yield deltas as tokens are accepted. Raises ValueError for bad input before any output.
+        prompt: text, token ids, chat messages or a Prompt from ``protocol.prepare_prompt``.
         Cancelling the iteration (a client that went away) aborts the request and frees its row."""
         if expert not in self.engines:
             raise ValueError(f"expert: unknown expert {expert!r}; known: {sorted(self.engines)}")
+        if not isinstance(prompt, Prompt):  # tokenized here, in a thread: never on the engine loop
+            eng = self.engines[expert]
+            prompt = await asyncio.to_thread(prepare_prompt, self.tokenizer, eng.vocab, eng.max_model_len, prompt, params)
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[StreamDelta] = asyncio.Queue()
         rid = f"cmpl-{next(self._ids)}-{time.monotonic_ns()}"

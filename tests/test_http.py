@@ -90,7 +90,21 @@ def test_router_picks_experts_and_explicit_expert_wins(client):
     ({"prompt": "x", "logprobs": 3}, "logprobs"),
     ({"prompt": "x", "n": 2}, "n"),
     ({"prompt": "x" * 3000, "max_tokens": 8}, "prompt"),
-    ({"prompt": "x", "max_tokens": 3000}, "prompt"),
+    ({"prompt": "x", "max_tokens": 3000}, "max_tokens"),  # no room for any prompt within max_model_len
+    ({"prompt": "x" * 70_000}, "prompt"),  # over max_prompt_chars (32 per token of max_model_len): refused untokenized
+    # strict types: these were coerced, [true, false] into the token ids [1, 0]
+    ({"prompt": [True, False]}, "prompt"),
+    ({"prompt": "x", "max_tokens": "4"}, "max_tokens"),
+    ({"prompt": "x", "stream": "yes"}, "stream"),
+    ({"prompt": "x", "seed": 1000.0}, "seed"),
+    # token ids out of range: -1 and an id that overflowed the tokenizer's decode (a 500)
+    ({"prompt": [-1]}, "prompt"),
+    ({"prompt": [10**20]}, "prompt"),
+    ({"prompt": "ab\udc80cd"}, "prompt"),  # a lone surrogate: the tokenizer's TypeError was a 500
+    ({"prompt": "x", "stop": ["\ud800"]}, "stop"),
+    ({"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "best_of": 2}, "best_of"),
     ({"prompt": "x", "expert": "nope"}, "expert"),
     ({"max_tokens": 3}, "prompt"),
     ({"prompt": "x", "stop": [""]}, "stop"),
@@ -102,11 +116,78 @@ def test_router_picks_experts_and_explicit_expert_wins(client):
     ({"prompt": "x", "stream": True, "stream_options": {"usage": True}}, "stream_options.usage"),
 ])
 def test_bad_input_is_a_400_naming_the_field(client, body, param):
-    r = client.post("/v1/completions", headers=AUTH, json=body)
+    # json.dumps escapes a lone surrogate as \udc80, as a JSON client may send it (httpx's json= cannot)
+    r = client.post("/v1/completions", headers=AUTH | {"content-type": "application/json"}, content=json.dumps(body))
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error"
     assert client.post("/v1/completions", headers=AUTH, json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_chat_bad_input_names_the_message_field(client):
+    for content, param in (("\udc00", "messages.0.content"), ([{"type": "image_url", "image_url": {}}], "messages.0.content")):
+        r = client.post("/v1/chat/completions", headers=AUTH | {"content-type": "application/json"},
+                        content=json.dumps({"messages": [{"role": "user", "content": content}]}))
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_neutral_values_of_unimplemented_openai_fields_are_accepted(client):
+    """SDK wrappers send penalties of 0, logprobs null, echo false... by default: those ask for nothing
+    this server does not do (the values that would are refused, test_bad_input_is_a_400_naming_the_field)."""
+    neutral = {"frequency_penalty": 0, "presence_penalty": 0.0, "logprobs": None, "logit_bias": {}}
+    base = {"prompt": "def f(x):", "max_tokens": 6, "temperature": 0}
+    want = client.post("/v1/completions", headers=AUTH, json=base).json()["choices"][0]["text"]
+    r = client.post("/v1/completions", headers=AUTH, json=base | neutral | {"echo": False, "best_of": 1, "suffix": None})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
+    # chat: "developer" is OpenAI's newer name for "system", and content may be a list of text parts
+    chat = {"max_tokens": 6, "temperature": 0}
+    want = client.post("/v1/chat/completions", headers=AUTH, json=chat | {"messages": [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]}).json()
+    r = client.post("/v1/chat/completions", headers=AUTH, json=chat | neutral | {"logprobs": False, "top_logprobs": 0, "messages": [
+        {"role": "developer", "content": [{"type": "text", "text": "be brief"}]},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": " there"}]}]})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"] == want["choices"][0]["message"]
+
+
+def test_prompts_are_tokenized_off_the_event_loop_and_the_engine_loop(service, tok, monkeypatch):
+    """A 12 MB prompt took 30 s to encode, on the replica's event loop and again on the engine loop,
+    and every other request waited. It is encoded once, in a worker thread (the tokenizer lets go of
+    the GIL), and the engine gets the ids."""
+    import threading
+
+    svc, _, _, _ = service
+    where = []
+    encode = type(tok).encode
+
+    def spy(self, text, *a, **k):
+        where.append(threading.current_thread())
+        return encode(self, text, *a, **k)
+
+    monkeypatch.setattr(type(tok), "encode", spy)
+
+    async def run():
+        async for _ in svc.stream("default", "import os", SamplingParams(max_tokens=3)):
+            pass
+        return threading.current_thread()
+
+    loop_thread = asyncio.run(run())
+    assert len(where) == 1  # once: the usage count reuses the ids
+    assert where[0] is not loop_thread and where[0].name != "osd-engine-loop"
+
+
+def test_admin_errors_from_a_ray_replica_give_the_cause_not_the_remote_traceback():
+    """Behind Ray Serve the backend's KeyError arrives as a RayTaskError(KeyError), whose str() is the
+    remote traceback (pid, ip, actor id, source paths, ANSI colours)."""
+    ray_exceptions = pytest.importorskip("ray.exceptions")
+    from deployments.api import admin_error
+
+    cause = KeyError("draft version 999 is not kept (kept: [5, 6])")
+    e = ray_exceptions.RayTaskError("rollback", "Traceback (most recent call last):\n  File x\nKeyError", cause).as_instanceof_cause()
+    assert isinstance(e, KeyError) and "pid=" in str(e)
+    err = admin_error(e, "to")
+    assert (err.status, err.param, str(err)) == (404, "to", "draft version 999 is not kept (kept: [5, 6])")
+    err = admin_error(ValueError("no older version to roll back to"), "to")
+    assert (err.status, err.param) == (409, None)
 
 
 def test_invalid_json_and_auth(client):
@@ -118,6 +199,9 @@ def test_invalid_json_and_auth(client):
     assert client.post("/v1/completions", headers={"Authorization": "Bearer wrong"}, json={"prompt": "x"}).status_code == 401
     assert client.get("/v1/models").status_code == 401
     assert client.get("/health").status_code == 200  # health stays open for load balancers
+    assert client.head("/health").status_code == 200
+    assert client.get("/v1/models", headers={"Authorization": "bearer sk-test"}).status_code == 200  # scheme: any case
+    assert client.get("/v1/models", headers={"Authorization": "Bearer SK-TEST"}).status_code == 401  # key: exact
     assert client.get("/admin/experts", headers=AUTH).status_code == 401
     assert client.get("/admin/experts", headers={"Authorization": "Bearer admin-test"}).json()["experts"].keys() == {"default", "sql"}
 
@@ -153,7 +237,8 @@ def test_admin_update_and_rollback(client):
     oldest = info["versions"][0]
     r = client.post(f"/admin/experts/default/rollback?to={oldest}", headers=adm)
     assert r.status_code == 200 and r.json()["serving_version"] == oldest
-    assert client.post("/admin/experts/default/rollback?to=99", headers=adm).status_code == 400
+    r = client.post("/admin/experts/default/rollback?to=99", headers=adm)
+    assert r.status_code == 404 and r.json()["error"]["message"].startswith("draft version 99 is not kept")
     r = client.post("/admin/experts/default/rollback?to=abc", headers=adm)  # FastAPI's own check: still OpenAI's shape
     assert r.status_code == 400 and r.json()["error"]["param"] == "to"
     assert client.post("/admin/experts/nope/update", headers=adm).status_code == 404
