@@ -300,7 +300,14 @@ class TargetVerifier:
                     q[i, torch.arange(ks[i]), draft[i, : ks[i]]] = 1.0
                 else:
                     q[i, : ks[i]] = it.draft_probs.to(dev, torch.float32)
-        u = torch.stack([uniforms(it.sampling.seed, _VERIFY, len(it.history), kmax + 1) for it in items]).to(dev)  # [B, k+1]
+        # Row i draws k_i + 1: its k_i accept tests, then the final sample, which accept() reads from column
+        # kmax. Drawing kmax + 1 put another uniform there whenever a longer draft shared the batch, so a
+        # seed's tokens depended on the batch (as SpecEngine._uniforms; the columns between are never read).
+        u = torch.full((b, kmax + 1), 0.5)  # [B, k+1]
+        for i, (it, ki) in enumerate(zip(items, ks)):
+            d = uniforms(it.sampling.seed, _VERIFY, len(it.history), ki + 1)  # [k_i + 1]
+            u[i, :ki], u[i, kmax] = d[:ki], d[ki]
+        u = u.to(dev)
         tokens, n_acc, _ = accept(logits, rows, draft, q, u)
         n_acc_l, tokens = n_acc.tolist(), tokens.tolist()
         if self.recorder is not None:
@@ -328,6 +335,8 @@ class TargetVerifier:
             st.proposed += k
             st.accepted += v.accepted
             st.rejected += v.accepted < k
+            # The verdict's tokens: the router may cut some (past EOS or a stop string), which the
+            # verifier cannot see, so here emitted is what the target produced, not what was output.
             st.emitted += len(v.tokens)
             for j in range(k):
                 st.proposed_per_position[j] += 1

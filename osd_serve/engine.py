@@ -34,7 +34,7 @@ class StepStats:
     rejected: int  # rows whose draft was rejected at some position (the rest accepted all k_i)
     accepted_per_position: list[int]  # [k] rows whose j-th draft token was accepted
     proposed_per_position: list[int]  # [k] rows that proposed a j-th draft token
-    emitted: int  # tokens added to outputs (accepted + one target token per row)
+    emitted: int  # tokens added to outputs (accepted + one target token per row, less any cut by a stop)
     draft_time: float  # seconds in draft forwards
     target_time: float  # seconds in the target forward and verification
     prefill_time: float  # seconds prefilling requests that joined before this step
