@@ -95,7 +95,13 @@ def make_app(backend, cfg: AppConfig) -> FastAPI:
                                             "experts": backend.experts()}]}
 
     async def _serve(request: Request, chat: bool):
-        req = parse_request(await request.body(), ChatRequest if chat else CompletionRequest)
+        raw = await request.body()
+        # Before parsing: a text prompt is capped by max_prompt_chars after parsing, but a list of token
+        # ids or many messages would be parsed first (8 bytes a character covers "\uXXXX" escapes).
+        limit = 8 * cfg.prompt_char_limit + (1 << 16)
+        if len(raw) > limit:
+            raise RequestError(f"body: {len(raw)} bytes, more than {limit} (8 per character of max_prompt_chars)", None, 413)
+        req = parse_request(raw, ChatRequest if chat else CompletionRequest)
         if req.model not in (None, cfg.served_model_name):
             raise RequestError(f"model: unknown model {req.model!r}; this server serves {cfg.served_model_name!r}", "model", 404)
         # Chat is rendered where the tokenizer lives (the engine replica); the router classifies text.
@@ -107,14 +113,19 @@ def make_app(backend, cfg: AppConfig) -> FastAPI:
         expert = req.expert or classify(text, cfg)
         if expert not in backend.experts():
             raise RequestError(f"expert: unknown expert {expert!r}; known: {backend.experts()}", "expert")
+        # chat may name the limit max_completion_tokens (OpenAI's newer name); errors then use that name
+        alias = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) and req.max_tokens is None else None
         try:
             params = req.sampling_params(cfg.num_speculative_tokens,
-                                         getattr(req, "max_completion_tokens", None) or 16)
+                                         getattr(req, "max_completion_tokens", None) or min(16, cfg.max_model_len // 2))
             params.validate()
             it = backend.stream(expert, prompt, params).__aiter__()
             first = await it.__anext__()  # bad input (too long a prompt...) raises here, before any 200
         except ValueError as e:
-            raise engine_error(e) from None
+            err = engine_error(e)
+            if alias:
+                err = RequestError(str(err).replace("max_tokens", alias), alias if err.param == "max_tokens" else err.param)
+            raise err from None
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         model = cfg.served_model_name
 
@@ -180,7 +191,7 @@ def make_app(backend, cfg: AppConfig) -> FastAPI:
         _known(expert)
         try:
             return await backend.admin_update(expert)
-        except ValueError as e:
+        except (KeyError, ValueError) as e:
             raise admin_error(e, None) from None
 
     def _known(expert: str) -> None:

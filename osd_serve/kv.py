@@ -203,7 +203,10 @@ class BatchKV:
         offs = input_valid.long().cumsum(1) - 1  # [B, T]
         pos = self.length[:, None] + offs.clamp_min(0)  # [B, T]
         new_pos = torch.where(input_valid, pos, -1)  # [B, T]
-        if self.window:
+        # Within the window's width of columns transformers' own (physical) window hides nothing, and
+        # plain causal attention keeps SDPA's fast path; past it, the logical mask (a [B, 1, T, K] mask
+        # per layer type, ~B·T² bytes at a long prefill).
+        if self.window and self.width + input_ids.shape[1] > self.window:
             sdpa = getattr(self.model.config, "_attn_implementation", None) == "sdpa"
             attention_mask = window_masks(torch.cat([self.col_pos, new_pos], 1), pos, input_valid, self.window,
                                           self.mixed, None if sdpa else self.model.dtype)

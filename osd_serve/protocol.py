@@ -14,7 +14,7 @@ import json
 import time
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .config import MAX_SPECULATIVE_TOKENS, SEED_RANGE, TOP_K_LIMIT, SamplingParams
 from .output import Prompt, check_prompt
@@ -50,6 +50,9 @@ _UNIMPLEMENTED = {
     "echo": ((False,), "echo is not supported; send false"),
     "best_of": ((None, 1), "only 1 is supported (one choice per request)"),
     "suffix": ((None, ""), "suffix (insertion) is not supported"),
+    "tools": ((None, []), "tools are not supported; send null or []"),
+    "tool_choice": ((None, "none"), "tools are not supported; send null or \"none\""),
+    "response_format": ((None, {"type": "text"}), 'only {"type": "text"} is supported'),
 }
 
 
@@ -126,7 +129,7 @@ class TextPart(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]  # developer: OpenAI's newer name for system
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None  # None: an assistant turn that only called tools, in a client's history
     name: str | None = None
 
     @field_validator("content")
@@ -134,14 +137,25 @@ class ChatMessage(_Strict):
     def _content_text(cls, v):
         return _unicode(v)
 
+    @model_validator(mode="after")
+    def _content_given(self) -> "ChatMessage":
+        if self.content is None and self.role != "assistant":
+            raise ValueError("content: only an assistant message may have null content")
+        return self
+
     def as_dict(self) -> dict:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        parts = [self.content or ""] if not isinstance(self.content, list) else [p.text for p in self.content]
+        text = "".join(parts)
         return {"role": "system" if self.role == "developer" else self.role, "content": text}
 
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list[dict] | None = None  # these three: _UNIMPLEMENTED, accepted at their neutral values only
+    tool_choice: str | None = None
+    response_format: dict | None = None
+    _neutral_chat = field_validator("tools", "tool_choice", "response_format")(_neutral_only)
 
     def message_dicts(self) -> list[dict]:
         return [m.as_dict() for m in self.messages]

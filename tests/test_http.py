@@ -131,6 +131,25 @@ def test_chat_bad_input_names_the_message_field(client):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
+def test_chat_limits_are_named_as_sent_and_bodies_are_capped(client):
+    msgs = [{"role": "user", "content": "hi"}]
+    r = client.post("/v1/chat/completions", headers=AUTH, json={"messages": msgs, "max_completion_tokens": 2048})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens", r.text
+    assert "max_tokens" not in r.json()["error"]["message"]
+    # a token-id list is parsed before any prompt check: the body itself is capped (8 bytes a character)
+    r = client.post("/v1/completions", headers=AUTH | {"content-type": "application/json"},
+                    content=json.dumps({"prompt": [1] * 200_000}))
+    assert r.status_code == 413 and r.json()["error"]["message"].startswith("body:")
+    # a client's history may hold an assistant turn with null content and tools at their neutral values
+    hist = msgs + [{"role": "assistant", "content": None}, {"role": "user", "content": "and?"}]
+    r = client.post("/v1/chat/completions", headers=AUTH, json={"messages": hist, "max_tokens": 2, "tools": [],
+                                                                 "tool_choice": "none", "response_format": {"type": "text"}})
+    assert r.status_code == 200, r.text
+    for extra, param in (({"tools": [{"type": "function"}]}, "tools"), ({"response_format": {"type": "json_object"}}, "response_format")):
+        r = client.post("/v1/chat/completions", headers=AUTH, json={"messages": msgs} | extra)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
 def test_neutral_values_of_unimplemented_openai_fields_are_accepted(client):
     """SDK wrappers send penalties of 0, logprobs null, echo false... by default: those ask for nothing
     this server does not do (the values that would are refused, test_bad_input_is_a_400_naming_the_field)."""

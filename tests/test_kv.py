@@ -191,6 +191,9 @@ def test_sliding_window_models_decode_past_their_window(tok, kind, attn):
         stats = []
         outs = eng.generate(prompts, SamplingParams(max_tokens=30, num_speculative_tokens=k, ignore_eos=True), stats)
         assert [o.token_ids for o in outs] == want, k
+        # alone, the shortest prompt starts within the window's width (transformers' own causal path)
+        # and crosses it (the logical mask)
+        assert eng.generate(prompts[:1], SamplingParams(max_tokens=30, num_speculative_tokens=k, ignore_eos=True))[0].token_ids == want[0]
         if k:
             assert 0 < sum(s.accepted for s in stats) < sum(s.proposed for s in stats)  # holes were made
 
