@@ -257,8 +257,8 @@ class SpecEngine:
             self._empty_batch()
             return
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
-        self._target_kv.select(idx)
-        self._draft_kv.select(idx)
+        self._target_kv.select(idx, self.config.compact_hole_fraction)
+        self._draft_kv.select(idx, self.config.compact_hole_fraction)
         self._rows.select(idx)
         self.running = [self.running[i] for i in keep]
 

@@ -257,14 +257,16 @@ class BatchKV:
             layer.keys = torch.gather(layer.keys, 2, idx)
             layer.values = torch.gather(layer.values, 2, idx)
 
-    def select(self, rows: torch.Tensor) -> None:
-        """Keep only ``rows`` (indices into the batch), in that order. [B']"""
+    def select(self, rows: torch.Tensor, compact_above: float = 0.5) -> None:
+        """Keep only ``rows`` (indices into the batch), in that order. [B']
+        Compacts if holes then take more than ``compact_above`` of the columns (the engine passes its
+        EngineConfig.compact_hole_fraction)."""
         self.col_pos = self.col_pos[rows]
         self.length = self.length[rows]
         for layer in self._layers():
             layer.keys = layer.keys[rows]
             layer.values = layer.values[rows]
-        if self.batch_size and self.hole_fraction() > 0.5:
+        if self.batch_size and self.hole_fraction() > compact_above:
             self.compact()  # the rows that left may have been the longest
 
     def extend(self, other: "BatchKV") -> None:

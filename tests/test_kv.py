@@ -68,6 +68,24 @@ def test_compaction_keeps_content(tok):
         assert torch.equal(_row_cache(kv, i, 1), before[i])
 
 
+def test_compact_hole_fraction_holds_when_rows_leave(tok, monkeypatch):
+    """A finished row leaving the batch compacted past half holes whatever compact_hole_fraction said:
+    1.0 (never compact) compacted anyway. Now select() takes the engine's threshold."""
+    from osd_serve import kv as kv_module
+
+    calls = []
+    compact = kv_module.BatchKV.compact
+    monkeypatch.setattr(kv_module.BatchKV, "compact", lambda self: calls.append(self.hole_fraction()) or compact(self))
+    target = llama(len(tok), seed=6)
+    prompts = [[8] * 40, [9] * 40, [7] * 3]  # the two long rows leave first: the short one is left in a wide cache
+    params = [SamplingParams(max_tokens=n, num_speculative_tokens=6, ignore_eos=True) for n in (4, 4, 30)]
+    for fraction, compacts in ((1.0, False), (0.5, True)):
+        calls.clear()
+        eng = SpecEngine(target, perturbed(target, 0.02), tok, EngineConfig(compact_hole_fraction=fraction))
+        eng.generate(prompts, params)
+        assert bool(calls) == compacts, (fraction, calls)
+
+
 @torch.inference_mode()
 def test_growing_cache_matches_dynamic_cache_and_appends_in_place(tok):
     """Same logits as Hugging Face's concatenating cache through appends and crops, and appends within
