@@ -108,7 +108,7 @@ def sliding_window(config) -> int | None:
 
 def window_masks(key_pos: torch.Tensor, query_pos: torch.Tensor, query_valid: torch.Tensor, window: int,
                  mixed: bool, dtype: torch.dtype | None):
-    """Additive 4D attention masks over *logical* positions, for models with sliding-window layers.
+    """4D attention masks over *logical* positions, for models with sliding-window layers.
 
     Why: transformers builds a sliding window over physical cache columns, and rejected drafts leave
     holes between them, so a physical window would hide keys that are logically inside it. A 4D mask is
@@ -170,7 +170,7 @@ class BatchKV:
         self.model = model
         self.max_id = max_input_id(model)
         c = getattr(model.config, "text_config", model.config)
-        self.window = sliding_window(c)  # sliding-window models always get window_masks
+        self.window = sliding_window(c)  # past this many columns, forward passes window_masks
         self.mixed = self.window is not None and "full_attention" in (getattr(c, "layer_types", None) or ())
         self.cache: DynamicCache | None = None
         # Logical position of each cache column, -1 for a hole.
