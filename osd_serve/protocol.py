@@ -195,11 +195,23 @@ class RequestError(ValueError):
         return {"error": {"message": str(self), "type": kind, "param": self.param, "code": None}}
 
 
+class _NotJSON(ValueError):
+    pass
+
+
+def _not_json(name: str):
+    """Python's json takes NaN and Infinity, which JSON does not have ("temperature": NaN was then
+    refused as "should be less than or equal to 2")."""
+    raise _NotJSON(f"body is not valid JSON: {name} is not a JSON value")
+
+
 def parse_request(raw: bytes, model: type[BaseModel]) -> BaseModel:
     try:
-        data = json.loads(raw or b"null")
+        data = json.loads(raw or b"null", parse_constant=_not_json)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise RequestError(f"body is not valid JSON: {e}") from None
+    except _NotJSON as e:
+        raise RequestError(str(e)) from None
     except RecursionError:
         raise RequestError("body is not valid JSON: nested too deeply") from None
     if not isinstance(data, dict):

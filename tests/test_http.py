@@ -214,6 +214,9 @@ def test_invalid_json_and_auth(client):
     assert r.status_code == 400
     r = client.post("/v1/completions", headers=AUTH, content=b"[" * 100_000)  # json.loads: RecursionError
     assert r.status_code == 400 and "nested" in r.json()["error"]["message"]
+    for const in (b"NaN", b"Infinity", b"-Infinity"):  # Python's json takes them; JSON has no such values
+        r = client.post("/v1/completions", headers=AUTH, content=b'{"prompt": "x", "temperature": ' + const + b"}")
+        assert r.status_code == 400 and "is not a JSON value" in r.json()["error"]["message"], r.text
     assert client.post("/v1/completions", json={"prompt": "x"}).status_code == 401
     assert client.post("/v1/completions", headers={"Authorization": "Bearer wrong"}, json={"prompt": "x"}).status_code == 401
     assert client.get("/v1/models").status_code == 401
