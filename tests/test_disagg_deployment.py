@@ -1,0 +1,156 @@
+"""The disaggregated topology's Ray Serve layer (deployments/disagg.py): the router backend's request
+lifecycle and set-up, over stand-ins for deployment handles (the core's workers run in-process)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from osd_serve.config import SamplingParams
+from osd_serve.disagg import DraftWorker, TargetVerifier
+from tests.conftest import llama, perturbed
+
+
+class _Handle:
+    """A stand-in for a Ray Serve DeploymentHandle that notes which Serve request each call is a child of."""
+
+    def __init__(self, **methods):
+        self.methods, self.calls = methods, []
+
+    def options(self, **_):
+        return self
+
+    def __getattr__(self, name):
+        from ray.serve.context import _get_serve_request_context
+
+        def remote(*args):
+            self.calls.append((name, _get_serve_request_context()._internal_request_id))
+            return asyncio.ensure_future(self.methods[name](*args))
+
+        return type("Method", (), {"remote": staticmethod(remote)})
+
+
+def _backend(tok, cfg, fail_verify_every: int = 0):
+    """A DisaggBackend ready to serve, whose handles run one DraftWorker and one TargetVerifier here.
+    Returns (backend, worker, verifier)."""
+    from deployments.disagg import DisaggBackend
+
+    target = llama(len(tok), seed=3)
+    worker, verifier = DraftWorker(perturbed(target, 0.05), len(tok)), TargetVerifier(target, len(tok))
+    n = {"verify": 0}
+
+    async def propose(item):
+        return worker.propose([item])[0]
+
+    async def verify(item):
+        n["verify"] += 1
+        if fail_verify_every and n["verify"] % fail_verify_every == 0:
+            raise RuntimeError("verifier replica died (simulated)")
+        return verifier.verify([item])[0][0]
+
+    async def release_draft(seq_id):
+        worker.release(seq_id)
+
+    async def release_target(seq_id, *_):
+        verifier.release(seq_id)
+
+    backend = DisaggBackend(cfg)
+    backend.tokenizer, backend.vocab, backend.max_len, backend.eos, backend._ready = tok, len(tok), 512, set(), True
+    backend.drafts = _Handle(propose=propose, release=release_draft)
+    backend.verifier = _Handle(verify=verify, release=release_target)
+    return backend, worker, verifier
+
+
+def test_a_request_that_ends_early_still_releases_its_sequence(tok):
+    """Ray Serve cancels the child calls a cancelled request still has pending assignment
+    (Replica._on_request_cancelled). A client that goes away cancels its request, so its releases
+    must not be such children, or the sequence stays live on the Verifier (a flaky e2e failure once)."""
+    serve_context = pytest.importorskip("ray.serve.context")
+    from deployments.config import AppConfig
+
+    backend, worker, verifier = _backend(tok, AppConfig())
+
+    async def run():
+        serve_context._serve_request_context.set(serve_context._RequestContext(_internal_request_id="parent"))
+        stream = backend.stream("default", "def g(", SamplingParams(max_tokens=200, num_speculative_tokens=3, ignore_eos=True))
+        await stream.__anext__()
+        await stream.aclose()  # the client went away
+        for _ in range(200):  # the releases run in the background
+            if sum(name == "release" for name, _ in backend.drafts.calls + backend.verifier.calls) == 2:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+
+    asyncio.run(run())
+    calls = backend.drafts.calls + backend.verifier.calls
+    assert {("propose", "parent"), ("verify", "parent")} <= set(calls)  # the steps are the request's own calls
+    releases = [parent for name, parent in calls if name == "release"]
+    assert len(releases) == 2 and "parent" not in releases
+    assert not verifier.caches.tokens and not worker.caches.tokens  # both sides freed the sequence
+
+
+def test_the_verifier_stops_counting_a_sequence_whose_release_never_came(monkeypatch):
+    pytest.importorskip("ray.serve")
+    import deployments.disagg as dd
+
+    v = type("V", (), {})()
+    v.live = {"a": ("default", 0.0), "b": ("sql", 500.0)}  # least recently verified first, as verify keeps it
+    forget = dd.Verifier.func_or_class._forget_idle
+    forget(v, 550.0)  # a verified 550 s ago, b 50 s ago: both within IDLE_SEQUENCE_S
+    assert list(v.live) == ["a", "b"]
+    forget(v, 601.0)
+    assert v.live == {"b": ("sql", 500.0)}
+    forget(v, 1101.0)
+    assert v.live == {}
+
+
+def test_the_router_sets_up_once_off_its_event_loop(monkeypatch):
+    """The first request loads the tokenizer, and on a node without the default pair builds it
+    (minutes): in a thread, once, while the event loop keeps answering (/health included)."""
+    pytest.importorskip("ray.serve")
+    import time
+    from types import SimpleNamespace
+
+    import deployments.disagg as dd
+    from deployments.config import AppConfig
+
+    loads = []
+    monkeypatch.setattr(dd.DisaggBackend, "_load", lambda self: (loads.append(1), time.sleep(0.5)))
+    monkeypatch.setattr(dd.serve, "get_replica_context", lambda: SimpleNamespace(app_name="app"))
+    monkeypatch.setattr(dd.serve, "get_deployment_handle", lambda name, app: (name, app))
+    backend = dd.DisaggBackend(AppConfig())
+
+    async def run():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while not backend._ready:
+                ticks += 1
+                await asyncio.sleep(0.01)
+
+        await asyncio.gather(backend._ensure_ready(), backend._ensure_ready(), ticker())
+        return ticks
+
+    assert asyncio.run(run()) > 10 and loads == [1]
+    assert backend.drafts == ("DraftPool", "app") and backend.verifier == ("Verifier", "app")
+
+
+def test_a_failed_step_ends_the_request_with_the_apis_error(tok):
+    """A verify call that raised (a replica died, a batch failed) escaped the backend: a bare text 500,
+    or a stream cut off with no error event and no [DONE]. Now it ends as a colocated failure does."""
+    pytest.importorskip("ray.serve")
+    from fastapi.testclient import TestClient
+
+    from deployments.api import make_app
+    from deployments.config import AppConfig
+
+    cfg = AppConfig(distill={"enabled": False})
+    backend, _, _ = _backend(tok, cfg, fail_verify_every=3)
+    client = TestClient(make_app(backend, cfg))
+    body = {"prompt": "def g(", "max_tokens": 40, "ignore_eos": True, "temperature": 0}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    events = client.post("/v1/completions", json=body | {"stream": True}).text.strip().split("\n\n")
+    assert '"error"' in events[-2] and events[-1] == "data: [DONE]"
