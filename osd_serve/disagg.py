@@ -35,6 +35,15 @@ _DRAFT, _AHEAD, _VERIFY = 1, 2, 3  # uniform streams: never share uniforms betwe
 IDLE_ROW_S = 120.0
 
 
+def _evict(entries: OrderedDict, limit: int, now: float, idle_s: float) -> list:
+    """Drop the oldest entries (each value's last item is when it was stored) past ``limit``, and any
+    older than ``idle_s``; returns the dropped keys."""
+    dropped = []
+    while entries and (len(entries) > limit or now - next(iter(entries.values()))[-1] > idle_s):
+        dropped.append(entries.popitem(last=False)[0])
+    return dropped
+
+
 def uniforms(seed: int, stream: int, position: int, n: int) -> torch.Tensor:
     """[n] uniforms that depend only on (seed, stream, position): any worker draws the same ones,
     so a sequence that moves to another worker keeps its seeded output. Positions only grow."""
@@ -147,8 +156,8 @@ class SeqCaches:
             self.slab, self.slab_ids = BatchKV.merge(self.model, self.device, parts), list(seq_ids)
             # Rows of sequences whose client never came back, or whose steps now go to another replica
             # (it gets their release): oldest out past max_seqs, and any left idle for idle_s.
-            while self._rows and (len(self._rows) > self.max_seqs or now - next(iter(self._rows.values()))[1] > self.idle_s):
-                self.tokens.pop(self._rows.popitem(last=False)[0], None)
+            for sid in _evict(self._rows, self.max_seqs, now, self.idle_s):
+                self.tokens.pop(sid, None)
         # setdefault: a call queued before its sequence was released (the client went away) finds no
         # entry; it recomputes that row instead of failing every sequence batched with it.
         keep = [min(_lcp(self.tokens.setdefault(s, []), h), len(h) - 1) for s, h in zip(seq_ids, histories)]
@@ -241,8 +250,7 @@ class DraftWorker:
             probs = p.probs[1:] if p.probs is not None else None
             self._ahead[it.seq_id] = (h + p.tokens[:1], Proposal(p.tokens[1:], probs, p.version), now)
             self._ahead.move_to_end(it.seq_id)
-        while self._ahead and (len(self._ahead) > self.max_seqs or now - next(iter(self._ahead.values()))[2] > self.caches.idle_s):
-            self._ahead.popitem(last=False)
+        _evict(self._ahead, self.max_seqs, now, self.caches.idle_s)
 
     def _draft(self, items: list[ProposeItem], histories: list[list[int]], ks: list[int], u: list[torch.Tensor]) -> list[Proposal]:
         """u: each row's uniforms, one per drafted column (at least max(ks))."""

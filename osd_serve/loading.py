@@ -119,9 +119,7 @@ def load_tokenizer(name: str, role: str = "target"):
 
 
 def load_model(name: str, role: str, device: torch.device, dtype: torch.dtype, attn: str = "auto"):
-    from transformers import AutoModelForCausalLM
-
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from .kv import sliding_window
 

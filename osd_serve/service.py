@@ -19,8 +19,6 @@ from .distill.recorder import RecordConfig, Recorder
 from .distill.replay import BufferConfig, ReplayBuffer
 from .distill.trainer import DistillTrainer, TrainConfig
 from .distill.versions import VersionStore, VersionWatcher
-from .output import Prompt
-from .protocol import prepare_prompt
 from .serving import AsyncSpecServer
 from .telemetry import Telemetry
 
@@ -127,11 +125,8 @@ class SpecService:
     async def stream(self, expert: str, prompt, params: SamplingParams) -> AsyncIterator[dict]:
         """prompt: text, token ids, or chat messages [{"role", "content"}] (rendered here)."""
         t0 = time.perf_counter()
-        eng = self.server.engines.get(expert)
-        if eng is not None:  # else generate names the unknown expert
-            # once, in a thread: a long prompt takes seconds to encode (protocol.prepare_prompt)
-            prompt = await asyncio.to_thread(prepare_prompt, self.tokenizer, eng.vocab, eng.max_model_len, prompt, params)
-        n_prompt = len(prompt.ids) if isinstance(prompt, Prompt) else 0
+        prompt = await self.server.prepare(prompt, params, expert)  # once: generate takes the Prompt as is
+        n_prompt = len(prompt.ids)
         async for d in self.server.generate(prompt, params, expert):
             yield {"text": d.text, "token_ids": d.token_ids, "finished": d.finished, "finish_reason": d.finish_reason,
                    "prompt_tokens": n_prompt}

@@ -60,15 +60,21 @@ class AsyncSpecServer:
         """Register a new expert; safe while serving (the loop reads a snapshot of the dict)."""
         self.engines = {**self.engines, name: SpecEngine(self.target, draft, self.tokenizer, self.config)}
 
+    async def prepare(self, prompt, params: SamplingParams, expert: str = "default") -> Prompt:
+        """The prompt checked against ``expert``'s engine, tokenized in a worker thread: never on the
+        event loop or the engine loop (a long prompt takes seconds, protocol.prepare_prompt)."""
+        if expert not in self.engines:
+            raise ValueError(f"expert: unknown expert {expert!r}; known: {sorted(self.engines)}")
+        if isinstance(prompt, Prompt):
+            return prompt
+        eng = self.engines[expert]
+        return await asyncio.to_thread(prepare_prompt, self.tokenizer, eng.vocab, eng.max_model_len, prompt, params)
+
     async def generate(self, prompt, params: SamplingParams, expert: str = "default") -> AsyncIterator[StreamDelta]:
         """Yield deltas as tokens are accepted. Raises ValueError for bad input before any output.
         prompt: text, token ids, chat messages or a Prompt from ``protocol.prepare_prompt``.
         Cancelling the iteration (a client that went away) aborts the request and frees its row."""
-        if expert not in self.engines:
-            raise ValueError(f"expert: unknown expert {expert!r}; known: {sorted(self.engines)}")
-        if not isinstance(prompt, Prompt):  # tokenized here, in a thread: never on the engine loop
-            eng = self.engines[expert]
-            prompt = await asyncio.to_thread(prepare_prompt, self.tokenizer, eng.vocab, eng.max_model_len, prompt, params)
+        prompt = await self.prepare(prompt, params, expert)
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[StreamDelta] = asyncio.Queue()
         rid = f"cmpl-{next(self._ids)}-{time.monotonic_ns()}"
