@@ -54,3 +54,21 @@ def test_mask_and_token_count_normalisation(logits):
     s2 = s.clone().requires_grad_()
     generalized_jsd(s2, t, 0.5, mask).backward()
     assert s2.grad[~mask].abs().max() == 0 and s2.grad[mask].abs().max() > 0
+
+
+@pytest.mark.parametrize("fn,kind", [(forward_kl, "forward"), (reverse_kl, "reverse"),
+                                     (lambda s, t: generalized_jsd(s, t, 0.3), "jsd")])
+def test_a_vocabulary_masked_on_both_sides_gives_the_exact_loss_and_a_finite_gradient(fn, kind):
+    """-inf logits (a masked vocabulary) made F.kl_div compute exp(-inf) * (-inf - x): NaN loss and
+    NaN gradients, where 0 log 0 = 0 gives a finite loss."""
+    g = torch.Generator().manual_seed(1)
+    s, t = torch.randn(5, 11, generator=g), torch.randn(5, 11, generator=g)
+    s[:, [3, 7]] = t[:, [3, 7]] = float("-inf")
+    p, q = torch.softmax(t.double(), -1), torch.softmax(s.double(), -1)
+    kl = lambda a, b: torch.where(a > 0, a * (a / b).log(), 0.0).sum(-1)  # noqa: E731
+    m = 0.3 * p + 0.7 * q
+    want = {"forward": kl(p, q), "reverse": kl(q, p), "jsd": 0.3 * kl(p, m) + 0.7 * kl(q, m)}[kind].mean()
+    s.requires_grad_()
+    loss = fn(s, t)
+    loss.backward()
+    assert float(loss) == pytest.approx(float(want), rel=1e-5) and torch.isfinite(s.grad).all()

@@ -33,8 +33,14 @@ def _reduce(per_pos: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
 
 
 def _kl(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
-    """KL(a || b) per row from log-probs. [N, V] -> [N]"""
-    return F.kl_div(log_b, log_a, reduction="none", log_target=True).sum(-1)
+    """KL(a || b) per row from log-probs. [N, V] -> [N]
+
+    Ids where a has no mass add 0 (0 log 0 = 0): a masked vocabulary (-inf logits) would otherwise
+    give exp(-inf) * (-inf - x) = NaN, as F.kl_div does. Their inputs are replaced before the
+    arithmetic, not after, so the gradient there is 0 rather than NaN."""
+    has_mass = log_a > -math.inf  # [N, V]
+    la, lb = torch.where(has_mass, log_a, 0.0), torch.where(has_mass, log_b, 0.0)  # [N, V]
+    return torch.where(has_mass, la.exp() * (la - lb), 0.0).sum(-1)
 
 
 def forward_kl(student_logits, teacher_logits, mask=None, temperature: float = 1.0) -> torch.Tensor:
@@ -65,7 +71,11 @@ def generalized_jsd(student_logits, teacher_logits, beta: float = 0.5, mask=None
         return reverse_kl(student_logits, teacher_logits, mask, temperature)
     log_q = F.log_softmax(student_logits.float() / temperature, -1)
     log_p = F.log_softmax(teacher_logits.float() / temperature, -1)
-    log_m = torch.logsumexp(torch.stack([log_p + math.log(beta), log_q + math.log(1 - beta)]), dim=0)  # [N, V]
+    # Ids neither p nor q can produce (-inf in both) are kept out of logsumexp, whose gradient at an
+    # all -inf input is NaN; m has no mass there, and _kl adds nothing for them.
+    either = (log_p > -math.inf) | (log_q > -math.inf)  # [N, V]
+    parts = torch.stack([log_p + math.log(beta), log_q + math.log(1 - beta)])  # [2, N, V]
+    log_m = torch.where(either, torch.logsumexp(torch.where(either, parts, 0.0), dim=0), -math.inf)  # [N, V]
     per_pos = beta * _kl(log_p, log_m) + (1 - beta) * _kl(log_q, log_m)
     return _reduce(per_pos, mask)
 

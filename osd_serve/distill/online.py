@@ -82,9 +82,16 @@ class OnlineDistiller:
             return self.buffer.due()
 
     def update(self, expert: str = "default", trigger: str = "manual") -> UpdateResult | None:
-        """Train on the expert's shard, guard, and publish (or refuse). None if too few records."""
+        """Train on the expert's shard, guard, and publish (or refuse). None if too few records.
+
+        An update that raises (an admin call as well as the background loop's) leaves the student at
+        the last published weights and is recorded in ``error`` and ``updates``, then re-raises."""
         with self._update_lock:
-            return self._update(expert, trigger)
+            try:
+                return self._update(expert, trigger)
+            except Exception as e:
+                self._failed(expert, trigger, e)
+                raise
 
     def _update(self, expert: str, trigger: str) -> UpdateResult | None:
         t0 = time.perf_counter()
@@ -150,18 +157,18 @@ class OnlineDistiller:
             for expert, why in self.due().items():
                 try:
                     self.update(expert, why)
-                except Exception as e:  # noqa: BLE001  one failed update (OOM, full disk) must not end distillation
-                    self._failed(expert, why, e)
-                    self._stop.wait(self.RETRY_S)  # a fault that repeats must not spin
+                except Exception:  # noqa: BLE001  one failed update (OOM, full disk) must not end distillation;
+                    self._stop.wait(self.RETRY_S)  # update() recorded it. A fault that repeats must not spin
 
     RETRY_S = 5.0
 
     def _failed(self, expert: str, trigger: str, e: Exception) -> None:
-        """Serving goes on with the last good draft; the student restarts from it, not from a half-trained state."""
+        """Serving goes on with the last good draft; the student restarts from it, not from a
+        half-trained state (steps taken before the fault, and their AdamW moments). Under _update_lock."""
         logger.error("online distillation of %s failed: %r", expert, e, exc_info=e)
         self.error = repr(e)
-        with self._update_lock:
-            self.trainer.revert()
+        self.training.clear()
+        self.trainer.revert()
         res = UpdateResult(expert, trigger, False, f"error: {e!r}", None, 0, 0)
         self.updates.append(res)
         if self.on_update is not None:

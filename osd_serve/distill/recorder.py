@@ -96,6 +96,9 @@ class Recorder:
         p, q = p.float().cpu(), q.float().cpu()
         k = q.shape[1]
         overlap = torch.minimum(p[:, :k], q).sum(-1)  # [B, k]
+        # A target logit that overflowed (float16 can reach inf) makes its softmax NaN while greedy
+        # serving goes on: such a position is not kept, or one record would poison every update.
+        finite = torch.isfinite(p).all(-1).tolist()  # [B][k+1]
         for i, ((rid, expert), a, kr) in enumerate(zip(keys, n_acc, k_rows)):
             # Least recently observed last: over max_traces, what goes is a request not seen for longest
             # (one that moved to another replica and never finished here), never a live one.
@@ -118,6 +121,8 @@ class Recorder:
             else:
                 kept = [a] if a < kr else []  # the position where the target corrected the draft
             for j in kept:
+                if not finite[i][j]:
+                    continue
                 tr.positions.append(before[i] + j)
                 # float16, as the record stores it (half the bytes while in flight); a copy, not a
                 # view, which would pin the whole step's [B, k+1, V]

@@ -80,13 +80,17 @@ class BufferConfig:
 
 class Shard:
     """Records of one expert, bounded by bytes. FIFO drops the oldest; reservoir keeps a uniform
-    sample of everything ever offered (Vitter's algorithm R, by bytes-bounded capacity)."""
+    sample of everything ever offered (Vitter's algorithm R, by bytes-bounded capacity). In reservoir
+    mode the update trigger counts the records kept, not those offered, as that is what changes the
+    training data; the guard's newest samples may then include one an earlier update trained on
+    (what displaced it is gone), which can only make the guard stricter."""
 
     def __init__(self, cfg: BufferConfig, rng: random.Random):
         self.cfg, self.rng = cfg, rng
         self.records: deque[ReplayRecord] = deque()
         self.nbytes = 0
         self.seen = 0  # records ever offered (for reservoir)
+        self.full = False  # reservoir: capacity was reached once; every later record takes the test
         self.new_since_update = 0
         self.oldest_new: float | None = None
 
@@ -95,13 +99,14 @@ class Shard:
         self.seen += 1
         if rec.nbytes > self.cfg.max_bytes:
             return False
-        if self.cfg.eviction == "reservoir" and self.nbytes + rec.nbytes > self.cfg.max_bytes:
-            # Keep with probability capacity/seen, replacing a uniformly chosen resident.
+        if self.cfg.eviction == "reservoir" and (self.full or self.nbytes + rec.nbytes > self.cfg.max_bytes):
+            # Keep with probability (records held)/seen, replacing uniformly chosen residents. Every
+            # record takes the test once the shard has filled: records vary in size, and letting the
+            # ones that fit into space a larger victim left enter untested kept mostly the newest.
+            self.full = True
             if self.rng.random() >= len(self.records) / self.seen:
                 return False
-            victim = self.rng.randrange(len(self.records))
-            self.nbytes -= self.records[victim].nbytes
-            del self.records[victim]
+            self._evict_random(self.cfg.max_bytes - rec.nbytes)
         while self.records and self.nbytes + rec.nbytes > self.cfg.max_bytes:
             self.nbytes -= self.records.popleft().nbytes
         self.records.append(rec)
@@ -110,6 +115,19 @@ class Shard:
         if self.oldest_new is None:
             self.oldest_new = rec.created if now is None else now
         return True
+
+    def shrink(self, max_bytes: int) -> None:
+        """Down to ``max_bytes``: the oldest go (FIFO), or uniformly chosen records (reservoir)."""
+        if self.cfg.eviction == "reservoir":
+            self._evict_random(max_bytes)
+        while self.records and self.nbytes > max_bytes:
+            self.nbytes -= self.records.popleft().nbytes
+
+    def _evict_random(self, max_bytes: int) -> None:
+        while self.records and self.nbytes > max_bytes:
+            victim = self.rng.randrange(len(self.records))
+            self.nbytes -= self.records[victim].nbytes
+            del self.records[victim]
 
     def due(self, now: float | None = None) -> str | None:
         """'size' or 'age' when an update is due, else None."""
@@ -142,12 +160,11 @@ class ReplayBuffer:
 
     def reconfigure(self, cfg: BufferConfig) -> None:
         """New bounds and triggers for every shard (a redeploy with a changed config); a smaller
-        max_bytes drops the oldest records now."""
+        max_bytes drops records now, as the eviction policy would."""
         self.cfg = cfg
         for s in self.shards.values():
             s.cfg = cfg
-            while s.records and s.nbytes > cfg.max_bytes:
-                s.nbytes -= s.records.popleft().nbytes
+            s.shrink(cfg.max_bytes)
 
     def due(self, now: float | None = None) -> dict[str, str]:
         """expert -> trigger ('size' or 'age') for every shard whose update is due."""

@@ -95,6 +95,7 @@ class DistillTrainer:
         self._published = self._trainable_state()
         self.optimizer = self._new_optimizer()
         self.losses: list[float] = []  # every optimizer step's loss: the loss curve
+        self.skipped_steps = 0  # steps not taken for a non-finite gradient
 
     def _build_student(self, state: dict | None):
         """A private copy of the draft (with ``state`` loaded), wrapped in a fresh LoRA in lora mode."""
@@ -185,7 +186,13 @@ class DistillTrainer:
             loss.backward()
             if self.grad_hook is not None:
                 self.grad_hook(self._params())
-            torch.nn.utils.clip_grad_norm_(self._params(), self.cfg.max_grad_norm)
+            norm = torch.nn.utils.clip_grad_norm_(self._params(), self.cfg.max_grad_norm)
+            # A non-finite gradient (a minibatch with a bad record) would turn every weight into NaN
+            # and the guard would then refuse the whole update: the step is skipped instead. The norm
+            # is taken after grad_hook's all-reduce, so data-parallel workers all skip the same steps.
+            if not torch.isfinite(norm):
+                self.skipped_steps += 1
+                continue
             self.optimizer.step()
             out.append(loss.item())
         self.losses.extend(out)
