@@ -10,6 +10,7 @@ Backend:
 
 from __future__ import annotations
 
+import logging
 import secrets
 import uuid
 
@@ -23,8 +24,14 @@ from osd_serve.protocol import (ChatRequest, CompletionRequest, RequestError, ch
 from .config import AppConfig
 
 
-def engine_failed() -> RequestError:
-    """A step of the engine serving the request raised (logged there); its requests end, the server goes on."""
+logger = logging.getLogger(__name__)
+
+
+def engine_failed(e: BaseException | None = None) -> RequestError:
+    """A step of the engine serving the request raised (logged there), or the call to it failed (e:
+    its replica died, logged here); its requests end, the server goes on."""
+    if e is not None:
+        logger.error("a request failed in the backend: %r", e, exc_info=e)
     return RequestError("the engine failed while generating this request; it was ended, retry it", None, 500)
 
 
@@ -126,6 +133,8 @@ def make_app(backend, cfg: AppConfig) -> FastAPI:
             if alias:
                 err = RequestError(str(err).replace("max_tokens", alias), alias if err.param == "max_tokens" else err.param)
             raise err from None
+        except Exception as e:  # noqa: BLE001  the backend call failed (its replica died): OpenAI's 500, not a bare one
+            raise engine_failed(e) from None
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         model = cfg.served_model_name
 
@@ -136,27 +145,34 @@ def make_app(backend, cfg: AppConfig) -> FastAPI:
 
         if req.stream:
             async def events():
-                n, n_tok = 0, 0
-                async for d in _chain(first, it):
-                    n_tok += len(d["token_ids"])
-                    if d["finish_reason"] == "error":  # headers are sent: the error goes in the stream
-                        yield sse(engine_failed().body())
-                        break
-                    if d["text"] or d["finished"] or n == 0:
-                        yield sse(chunk_body(rid, model, d["text"], d["finish_reason"] if d["finished"] else None, chat, n == 0))
-                        n += 1
-                else:
-                    if req.stream_options is not None and req.stream_options.include_usage:
-                        yield sse(usage_chunk(rid, model, usage(n_tok), chat))
+                n, n_tok, failed = 0, 0, None
+                try:
+                    async for d in _chain(first, it):
+                        n_tok += len(d["token_ids"])
+                        if d["finish_reason"] == "error":  # headers are sent: the error goes in the stream
+                            failed = engine_failed()
+                            break
+                        if d["text"] or d["finished"] or n == 0:
+                            yield sse(chunk_body(rid, model, d["text"], d["finish_reason"] if d["finished"] else None, chat, n == 0))
+                            n += 1
+                except Exception as e:  # noqa: BLE001  a replica died mid-stream: the stream was cut with no end
+                    failed = engine_failed(e)
+                if failed is not None:
+                    yield sse(failed.body())
+                elif req.stream_options is not None and req.stream_options.include_usage:
+                    yield sse(usage_chunk(rid, model, usage(n_tok), chat))
                 yield sse("[DONE]")
 
             return StreamingResponse(events(), media_type="text/event-stream", headers={"x-osd-expert": expert})
 
         text, n_tok, finish = "", 0, None
-        async for d in _chain(first, it):
-            text += d["text"]
-            n_tok += len(d["token_ids"])
-            finish = d["finish_reason"]
+        try:
+            async for d in _chain(first, it):
+                text += d["text"]
+                n_tok += len(d["token_ids"])
+                finish = d["finish_reason"]
+        except Exception as e:  # noqa: BLE001  as above, for a whole completion
+            raise engine_failed(e) from None
         if finish == "error":
             raise engine_failed()
         return JSONResponse(completion_body(rid, model, text, finish, usage(n_tok), chat), headers={"x-osd-expert": expert})

@@ -129,3 +129,35 @@ def test_http_reports_a_failed_engine_as_a_500_or_a_stream_error(service, monkey
     assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["type"] == "server_error"
     monkeypatch.undo()
     assert client.post("/v1/completions", headers=auth, json={"prompt": "x", "max_tokens": 4}).status_code == 200
+
+
+class _ReplicaDies:
+    """A backend whose call fails as a Ray handle's does when the engine replica dies (ActorDiedError
+    is no ValueError): before the first chunk, or after ``after`` chunks."""
+
+    def __init__(self, after: int):
+        self.after = after
+
+    def experts(self):
+        return ["default"]
+
+    async def stream(self, expert, prompt, params):
+        for i in range(self.after):
+            yield {"text": "ab"[i % 2], "token_ids": [5], "finished": False, "finish_reason": None, "prompt_tokens": 1}
+        raise RuntimeError("The actor died unexpectedly before finishing this task.")
+
+
+@pytest.mark.parametrize("after", [0, 2])
+def test_a_backend_that_dies_mid_request_gives_the_apis_error_and_ends_the_stream(after):
+    """A stream was cut after its last text chunk, with no error event and no [DONE] (a client saw a
+    short completion with no finish_reason), and a whole completion was a text/plain 500."""
+    client = TestClient(make_app(_ReplicaDies(after), AppConfig(wandb={"mode": "disabled"})), raise_server_exceptions=False)
+    r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 4})
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error", r.text
+    with client.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 4, "stream": True}) as s:
+        events = [ln[6:] for ln in s.iter_lines() if ln.startswith("data: ")]
+    if after == 0:  # nothing was sent yet: a plain 500, as for a whole completion
+        assert s.status_code == 500 and not events
+    else:
+        assert s.status_code == 200 and events[-1] == "[DONE]" and json.loads(events[-2])["error"]["type"] == "server_error"
+        assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-2]) == "ab"
