@@ -7,21 +7,43 @@ than or equal to 1`, and unknown keys are refused so a typo never silently falls
 from __future__ import annotations
 
 import os
-from typing import Literal
+from pathlib import Path
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: YAML gives real types, so "4", true or 4.0 for a count is a mistake, not a 4 (true was k = 1)
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+def _local_path(v: str | None) -> bool:
+    """Written as a path (no hub id starts with /, ., or ~), so it must exist where serve run reads
+    the config: README asks for paths every node can read. Hub ids are checked where they load."""
+    return v is not None and v.startswith(("/", ".", "~"))
 
 
 class ExpertConfig(_Strict):
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     # The router's classifier: an expert whose keyword occurs in the prompt (case-insensitive) wins;
     # the first configured expert with a hit is taken, else `default_expert`.
-    keywords: list[str] = []
+    keywords: list[Annotated[str, Field(min_length=1)]] = []  # "" would match every prompt
     adapter: str | None = None  # a peft LoRA directory (adapter_model.safetensors) on the base draft
+
+    @field_validator("adapter")
+    @classmethod
+    def _safetensors_dir(cls, v: str | None) -> str | None:
+        # Checked here, at `serve run`: in the replica a bad adapter failed three starts and left the
+        # app up with /health answering and every completion a 503.
+        if v is None:
+            return v
+        p = Path(os.path.expanduser(v))
+        if not p.is_dir():
+            raise ValueError(f"{v!r} is not a directory (a peft LoRA adapter directory)")
+        if not (p / "adapter_model.safetensors").is_file():
+            raise ValueError(f"{v!r} has no adapter_model.safetensors (pickled adapters are refused)")
+        return v
 
     @field_validator("name")
     @classmethod
@@ -92,7 +114,7 @@ class AppConfig(_Strict):
     # No admin_key: admin routes are disabled (404), never open.
     api_key: str | None = None
     admin_key: str | None = None
-    served_model_name: str = "osd-serve"
+    served_model_name: str = Field("osd-serve", min_length=1)
     distill: DistillConfig = DistillConfig()
     wandb: WandbConfig = WandbConfig()
 
@@ -111,6 +133,10 @@ class AppConfig(_Strict):
     def _check(self) -> "AppConfig":
         if (self.target is None) != (self.draft is None):
             raise ValueError("give both target and draft, or neither for the embedded default pair")
+        for key in ("target", "draft"):
+            v = getattr(self, key)
+            if _local_path(v) and not Path(os.path.expanduser(v)).is_dir():
+                raise ValueError(f"{key}: {v!r} is not a directory (give a model directory or a hub id)")
         names = [e.name for e in self.experts]
         if len(set(names)) != len(names):
             raise ValueError(f"experts: names must be unique, got {names}")

@@ -94,6 +94,8 @@ class SpecService:
                 dist.on_update = self._update_hook(name)
                 dist.start()
                 self.distillers[name] = dist
+        for name, eng in self.server.engines.items():  # each expert's version series starts now, not at its first update
+            self.telemetry.on_event(name, version=eng.draft_version)
 
     def _watch_versions(self, root: Path, sink, record_cfg: RecordConfig) -> None:
         """Records go to the sink; a watcher swaps in any version another process publishes."""

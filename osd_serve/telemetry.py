@@ -1,8 +1,9 @@
 """Acceptance trends for people (W&B) and for machines (Prometheus via ray.serve.metrics).
 
 W&B runs offline by default: run files land under ``dir`` and can be synced later with
-``wandb sync``; with WANDB_API_KEY set (mode auto) they stream online. Prometheus counters use
-vLLM's spec-decode names where one exists, so existing dashboards work unchanged.
+``wandb sync``; with WANDB_API_KEY set (mode auto) they stream online. Prometheus metrics take
+vLLM's spec-decode names and meanings where one exists (Ray exports them with its ``ray_`` prefix,
+vLLM with ``vllm:``, so a vLLM dashboard needs its prefix changed), and osd_ names for the rest.
 """
 
 from __future__ import annotations
@@ -39,7 +40,10 @@ class _Prometheus:
         self.draft = metrics.Counter("spec_decode_num_draft_tokens", "draft tokens proposed", tag_keys=tags)
         self.accepted = metrics.Counter("spec_decode_num_accepted_tokens", "draft tokens accepted", tag_keys=tags)
         self.emitted = metrics.Counter("spec_decode_num_emitted_tokens", "tokens emitted", tag_keys=tags)
-        self.rate = metrics.Gauge("spec_decode_draft_acceptance_rate", "accepted / tested, last window", tag_keys=tags)
+        # vLLM's rate is accepted / proposed; alpha, what the speedup formula takes, is accepted / tested
+        # (a draft token after a rejection is never tested).
+        self.rate = metrics.Gauge("spec_decode_draft_acceptance_rate", "accepted / proposed, last window", tag_keys=tags)
+        self.alpha = metrics.Gauge("osd_alpha", "accepted / tested draft tokens, last window", tag_keys=tags)
         self.version = metrics.Gauge("osd_draft_version", "draft version serving", tag_keys=tags)
         self.latency = metrics.Histogram("osd_request_latency_s", "request latency", boundaries=[0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30],
                                          tag_keys=tags)
@@ -139,7 +143,7 @@ class Telemetry:
     def on_event(self, expert: str, **fields) -> None:
         """Version published/refused, rollbacks, buffer size, losses."""
         with self._lock:
-            self._events.append({"expert": expert, **fields})
+            self._events.append({"expert": expert, "time": time.time(), **fields})
         if self.prom.ok and fields.get("version") is not None:
             self.prom.version.set(fields["version"], tags={"expert": expert})
 
@@ -153,7 +157,8 @@ class Telemetry:
                 if w["tested"]:
                     row[f"alpha/{e}"] = w["accepted"] / w["tested"]
                     if self.prom.ok:
-                        self.prom.rate.set(row[f"alpha/{e}"], tags={"expert": e})
+                        self.prom.alpha.set(row[f"alpha/{e}"], tags={"expert": e})
+                        self.prom.rate.set(w["accepted"] / w["proposed"], tags={"expert": e})
                 if w["rows"]:
                     row[f"tokens_per_step/{e}"] = w["emitted"] / w["rows"]
                 for j, (a, p) in enumerate(self._pos[e]):
@@ -162,19 +167,20 @@ class Telemetry:
             lat = list(self._lat)
             if lat:
                 row["latency_p50_s"], row["latency_p99_s"] = _percentile(lat, 0.5), _percentile(lat, 0.99)
-            for ev in self._events:
-                e = ev["expert"]
-                for k, v in ev.items():
-                    if k != "expert" and isinstance(v, (int, float)):
-                        row[f"{k}/{e}"] = v
+            # One row per event, before the window's row: merged into one row, a rollback to 0 and a
+            # publish of 2 in the same window logged only version 2.
+            rows = [{"time": ev["time"]} | {f"{k}/{ev['expert']}": v for k, v in ev.items()
+                                           if k not in ("expert", "time") and isinstance(v, (int, float))}
+                    for ev in self._events] + [row]
             self._win.clear()
             self._pos.clear()
             self._lat.clear()
             self._events.clear()
             self._last = now
-            self.history.append(row)
+            self.history.extend(rows)
         if self.run is not None:
-            self.run.log(row)
+            for r in rows:
+                self.run.log(r)
         return row
 
     def recent(self) -> list[dict]:

@@ -311,9 +311,32 @@ def test_config_errors_name_the_field():
     with pytest.raises(ValueError, match="experts.1.name.*only dots"):  # it names a directory under versions_dir
         parse_config({"experts": [{"name": "default"}, {"name": ".."}]})
     assert parse_config({"draft_ahead": False}).draft_ahead is False and parse_config({}).draft_ahead == "auto"
+    # coerced before: "4" and 4.0 were k = 4, true was k = 1, "yes" was true, [""] matched every prompt
+    for args, field in (({"num_speculative_tokens": "4"}, "num_speculative_tokens"), ({"num_speculative_tokens": True},
+                        "num_speculative_tokens"), ({"distill": {"enabled": "yes"}}, "distill.enabled"),
+                        ({"experts": [{"name": "default", "keywords": [""]}]}, "experts.0.keywords.0"),
+                        ({"served_model_name": ""}, "served_model_name")):
+        with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+            parse_config(args)
+    assert parse_config({"distill": {"trigger_age_s": 60}}).distill.trigger_age_s == 60.0  # an int is a float
     yaml = pytest.importorskip("yaml")
     for path in ("serve_config.yaml", "serve_config.disaggregated.yaml"):  # the shipped configs validate
         parse_config(yaml.safe_load((Path(__file__).resolve().parents[1] / path).read_text())["applications"][0]["args"])
+
+
+def test_adapters_and_model_directories_are_checked_at_serve_run(tmp_path):
+    """A missing or pickled adapter, or a target path that does not exist, failed only in the replica:
+    three failed starts, then an app whose /health answered and whose every completion was a 503."""
+    (tmp_path / "adapter_model.bin").write_bytes(b"")
+    for adapter, why in ((str(tmp_path), "no adapter_model.safetensors"), (str(tmp_path / "nope"), "not a directory"),
+                         (str(tmp_path / "adapter_model.bin"), "not a directory")):
+        with pytest.raises(ValueError, match=f"experts.1.adapter: .*{why}"):
+            parse_config({"experts": [{"name": "default"}, {"name": "sql", "adapter": adapter}]})
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"")
+    assert parse_config({"experts": [{"name": "default", "adapter": str(tmp_path)}]}).experts[0].adapter == str(tmp_path)
+    with pytest.raises(ValueError, match="draft: '/no/such/draft' is not a directory"):
+        parse_config({"target": str(tmp_path), "draft": "/no/such/draft"})
+    assert parse_config({"target": "org/target", "draft": "org/draft"}).target == "org/target"  # hub ids load later
 
 
 def test_a_chat_template_that_writes_bos_gets_one_bos():

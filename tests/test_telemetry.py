@@ -72,5 +72,16 @@ def test_history_is_bounded():
         t.on_event("default", version=i)
         t.maybe_log(force=True)
     rows = t.recent()
-    assert len(rows) == telemetry.HISTORY_ROWS and rows[-1]["version/default"] == telemetry.HISTORY_ROWS + 99
+    assert len(rows) == telemetry.HISTORY_ROWS and rows[-2]["version/default"] == telemetry.HISTORY_ROWS + 99
     assert rows[0]["time"] <= time.time()
+
+
+def test_every_event_of_a_window_is_logged():
+    """Events went into the window's row under one key each: a rollback to 0 and a publish of 2 in one
+    window logged only version 2."""
+    t = Telemetry("disabled", log_every_s=3600.0)
+    t.on_event("sql", version=0, rollback=1)
+    t.on_event("sql", version=2, published=1)
+    t.maybe_log(force=True)
+    rows = t.recent()
+    assert [r.get("version/sql") for r in rows] == [0, 2, None] and rows[0]["rollback/sql"] == 1
