@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import os
-import shutil
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -18,7 +17,7 @@ from .distill.online import OnlineDistiller
 from .distill.recorder import RecordConfig, Recorder
 from .distill.replay import BufferConfig, ReplayBuffer
 from .distill.trainer import DistillTrainer, TrainConfig
-from .distill.versions import VersionStore, VersionWatcher
+from .distill.versions import VersionStore, VersionWatcher, claim_slot
 from .serving import AsyncSpecServer
 from .telemetry import Telemetry
 
@@ -64,11 +63,12 @@ class SpecService:
 
         record_sink(record): distillation runs elsewhere (deployments/distiller.py): finished
         requests' records go to the sink, and new versions are picked up from versions_dir.
-        private_versions: replica_tag is this instance's alone (a Ray Serve replica id), so the local
-        backend's versions under versions_dir/<replica_tag> are removed on close: no later replica
-        has that id, and a full draft per expert per replica start would pile up on disk."""
+        private_versions: a Ray Serve replica, whose id no later replica has: the local backend keeps
+        its versions in a slot directory (versions_dir/replicas/slot-N, distill.versions.claim_slot)
+        held while it lives, so the replica that replaces it resumes them; otherwise under
+        versions_dir/<replica_tag>."""
         self.cfg, self.replica_tag = cfg, replica_tag
-        self._private_root: Path | None = None
+        self._slot = None  # the open lock file holding this replica's slot
         self.target, base, self.tokenizer = models or load_models(cfg)
         drafts = {e.name: expert_draft(base, e.adapter, e.name) for e in cfg.experts}
         econf = EngineConfig(max_batch_size=cfg.max_batch_size, max_model_len=cfg.max_model_len)
@@ -83,7 +83,8 @@ class SpecService:
             self._watch_versions(Path(os.path.expanduser(d.versions_dir)), record_sink, RecordConfig(keep=d.keep, topk=d.record_topk))
         elif d.enabled:
             root = Path(os.path.expanduser(d.versions_dir)) / replica_tag
-            self._private_root = root if private_versions else None
+            if private_versions:
+                root, self._slot = claim_slot(root.parent / "replicas")
             for name, eng in self.server.engines.items():
                 trainer = DistillTrainer(eng.draft, TrainConfig(mode=d.mode, lr=d.lr, steps_per_update=d.steps_per_update),
                                          vocab=eng.vocab)
@@ -182,5 +183,6 @@ class SpecService:
             d.stop()
         self.server.close()
         self.telemetry.close()
-        if self._private_root is not None:
-            shutil.rmtree(self._private_root, ignore_errors=True)
+        if self._slot is not None:  # the versions stay for the replica that takes the slot next
+            self._slot.close()
+            self._slot = None

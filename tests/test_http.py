@@ -4,6 +4,7 @@ behind Ray Serve in test_serve_e2e.py."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 from pathlib import Path
 
@@ -360,22 +361,41 @@ def test_a_chat_template_that_writes_bos_gets_one_bos():
     assert ids.count(3) == 1 and ids[0] == 3 and tok.decode(ids, skip_special_tokens=True) == "user: hi\nassistant:"
 
 
-def test_a_replicas_private_versions_are_removed_on_close(tok, tmp_path):
-    """Local backend: each Ray Serve replica keeps its versions under versions_dir/<replica id>, an id no
-    later replica has; close removes them (a full draft per expert per replica start piled up), and
-    admin answers name the replica that acted (with several replicas, one of them answers)."""
+def test_a_replica_that_replaces_another_resumes_its_versions(tok, tmp_path):
+    """Local backend: a Ray Serve replica kept its versions under versions_dir/<replica id>; a restarted
+    replica (new id) started again from version 0, and a killed one's directory stayed on disk for
+    good. Now a replica holds a slot while it lives and the next one takes it over with its versions,
+    unless the draft changed. Admin answers name the replica that acted."""
     target = llama(len(tok), seed=3)
     cfg = AppConfig(distill={"versions_dir": str(tmp_path), "mode": "full"}, wandb={"mode": "disabled"})
-    own = SpecService(cfg, models=(target, perturbed(target, 0.05), tok), replica_tag="r1", private_versions=True)
-    shared = SpecService(cfg, models=(target, perturbed(target, 0.05), tok), replica_tag="local")
+    draft = perturbed(target, 0.05)
+    make = lambda tag, d=draft: SpecService(cfg, models=(target, copy.deepcopy(d), tok), replica_tag=tag,  # noqa: E731
+                                            private_versions=True)
+    first, second = make("r1"), make("r2")
     try:
-        assert (tmp_path / "r1" / "default").is_dir() and (tmp_path / "local" / "default").is_dir()
-        assert asyncio.run(own.admin_update("default"))["replica"] == "r1"
-        assert asyncio.run(own.admin_experts())["replica"] == "r1"
+        assert asyncio.run(first.admin_update("default"))["replica"] == "r1"
+        assert asyncio.run(first.admin_experts())["replica"] == "r1"
+        assert first.distillers["default"].store.root == tmp_path / "replicas" / "slot-0" / "default"
+        assert second.distillers["default"].store.root == tmp_path / "replicas" / "slot-1" / "default"  # a live one's slot is not shared
+        dist = first.distillers["default"]
+        dist.store.publish(dist.trainer.serving_state(), {"reason": "as an update would"})
+        published = dist.store.versions
+        assert published == [0, 1]
     finally:
-        own.close()
-        shared.close()
-    assert not (tmp_path / "r1").exists() and (tmp_path / "local" / "default").is_dir()
+        first.close()
+    third = make("r3")  # takes slot-0 over: serves and distils on from its current version
+    try:
+        assert third.distillers["default"].store.versions == published
+        assert third.server.engines["default"].draft_version == published[-1]
+    finally:
+        third.close()
+    other = make("r4", perturbed(target, 0.07, seed=5))  # a redeploy with another draft: slot-0's versions are not its own
+    try:
+        assert other.distillers["default"].store.versions == [0] and other.server.engines["default"].draft_version == 0
+    finally:
+        other.close()
+        second.close()
+    assert sorted(p.name for p in (tmp_path / "replicas").iterdir()) == ["slot-0", "slot-1"]
 
 
 def test_record_topk_reaches_the_recorders(tok, tmp_path):

@@ -72,3 +72,5 @@ def test_a_vocabulary_masked_on_both_sides_gives_the_exact_loss_and_a_finite_gra
     loss = fn(s, t)
     loss.backward()
     assert float(loss) == pytest.approx(float(want), rel=1e-5) and torch.isfinite(s.grad).all()
+    # a NaN is not a masked id: it stays visible (the trainer skips such a step)
+    assert torch.isnan(fn(s.detach(), t.index_fill(1, torch.tensor([0]), float("nan"))))

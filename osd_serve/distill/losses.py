@@ -38,7 +38,7 @@ def _kl(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
     Ids where a has no mass add 0 (0 log 0 = 0): a masked vocabulary (-inf logits) would otherwise
     give exp(-inf) * (-inf - x) = NaN, as F.kl_div does. Their inputs are replaced before the
     arithmetic, not after, so the gradient there is 0 rather than NaN."""
-    has_mass = log_a > -math.inf  # [N, V]
+    has_mass = log_a != -math.inf  # [N, V] a NaN stays NaN: a broken distribution must not pass for a masked id
     la, lb = torch.where(has_mass, log_a, 0.0), torch.where(has_mass, log_b, 0.0)  # [N, V]
     return torch.where(has_mass, la.exp() * (la - lb), 0.0).sum(-1)
 
@@ -73,7 +73,7 @@ def generalized_jsd(student_logits, teacher_logits, beta: float = 0.5, mask=None
     log_p = F.log_softmax(teacher_logits.float() / temperature, -1)
     # Ids neither p nor q can produce (-inf in both) are kept out of logsumexp, whose gradient at an
     # all -inf input is NaN; m has no mass there, and _kl adds nothing for them.
-    either = (log_p > -math.inf) | (log_q > -math.inf)  # [N, V]
+    either = (log_p != -math.inf) | (log_q != -math.inf)  # [N, V]
     parts = torch.stack([log_p + math.log(beta), log_q + math.log(1 - beta)])  # [2, N, V]
     log_m = torch.where(either, torch.logsumexp(torch.where(either, parts, 0.0), dim=0), -math.inf)  # [N, V]
     per_pos = beta * _kl(log_p, log_m) + (1 - beta) * _kl(log_q, log_m)

@@ -18,7 +18,7 @@ from .guard import GuardConfig, check, split_for_guard
 from .recorder import Recorder, RecordConfig
 from .replay import ReplayBuffer
 from .trainer import DistillTrainer
-from .versions import VersionStore
+from .versions import VersionStore, draft_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +55,15 @@ class OnlineDistiller:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.error: str | None = None  # the last failed update's exception, for /admin/experts
+        base = draft_fingerprint(engine.draft.state_dict())
+        if store.current is not None and store.manifest.get("draft", base) != base:
+            # Versions of another draft (a redeploy changed it, or an adapter): same shapes would load
+            # without complaint and serve the wrong model's weights. They are no use to this one.
+            logger.warning("versions under %s belong to another draft; starting from version 0", store.root)
+            store.clear()
         if store.current is None:  # version 0: the draft we started from, so rollback can reach it
             store.publish(trainer.serving_state(), {"reason": "initial draft"})
+            store.set_draft(base)
             self._adapter_base = store.current
         else:  # a store this draft was distilled into before (a restart): serve and train on from its current version
             state = store.load(store.current)

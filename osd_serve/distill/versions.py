@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
+import itertools
 import json
 import logging
 import os
@@ -31,6 +33,37 @@ import torch
 from safetensors.torch import load_file, save_file
 
 logger = logging.getLogger(__name__)
+
+
+def draft_fingerprint(state: dict[str, torch.Tensor]) -> str:
+    """Names, shapes and a few values of each tensor: tells one draft's weights from another's (a
+    redeploy that changed the draft must not resume the old draft's versions) without hashing them all."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name].detach().reshape(-1)  # [numel]
+        h.update(f"{name}{tuple(state[name].shape)}".encode())
+        h.update(torch.cat([t[:32], t[-32:]]).float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def claim_slot(root: str | os.PathLike) -> tuple[Path, object]:
+    """A directory ``root/slot-N`` that no live process holds, and the open file whose lock holds it
+    for as long as it stays open. The OS drops the lock when its process dies, even killed, so a
+    replica that replaces one that died (or was redeployed) takes the lowest free slot and resumes its
+    versions; slots never outnumber the replicas that ran at once, so nothing piles up on disk."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    for i in itertools.count():
+        d = root / f"slot-{i}"
+        d.mkdir(exist_ok=True)
+        f = open(d / ".owner", "a")  # noqa: SIM115  held open: the lock lives as long as this file
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # a live replica holds it
+            f.close()
+            continue
+        return d, f
+    raise AssertionError("unreachable")
 
 
 class VersionStore:
@@ -154,6 +187,20 @@ class VersionStore:
 
     def meta(self, version: int) -> dict:
         return json.loads((self.path(version) / "meta.json").read_text())
+
+    def set_draft(self, fingerprint: str) -> None:
+        """Record which draft (draft_fingerprint) these versions were distilled from."""
+        with self._locked():
+            self.manifest["draft"] = fingerprint
+            self._write_manifest()
+
+    def clear(self) -> None:
+        """Remove every version (the store held another draft's)."""
+        with self._locked():
+            for v in self.manifest["versions"]:
+                shutil.rmtree(self.path(v), ignore_errors=True)
+            self.manifest = {"current": None, "versions": []}
+            self._write_manifest()
 
 
 class VersionWatcher:
