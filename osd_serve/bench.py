@@ -22,6 +22,7 @@ from .bench_hf import HF_ASSISTED_BATCH, hf_assisted_settings, hf_generate, hf_m
 from .config import EngineConfig, SamplingParams
 from .engine import SpecEngine
 from .kv import BatchKV
+from .output import check_prompt
 
 
 def analytic_speedup(alpha: float, k: int, c: float, verify_cost: float = 1.0) -> float:
@@ -215,6 +216,18 @@ def _engine_run(target, draft, tok, ids, batch: int, max_tokens: int, k: int):
     return outs, stats
 
 
+def check_inputs(target, draft, tok, ids: list[list[int]], max_tokens: int, ks) -> None:
+    """Every k and every prompt + max_tokens fit the engine: checked before the first timed run, not by
+    the engine's own runs after every HF baseline has been timed."""
+    eng = SpecEngine(target, draft, tok)
+    params = SamplingParams(max_tokens=max_tokens, num_speculative_tokens=max(ks))  # raises naming the field
+    for i, p in enumerate(ids, 1):
+        try:
+            check_prompt(tok, eng.vocab, eng.max_model_len, p, params)
+        except ValueError as e:
+            raise ValueError(f"prompt {i}: {e}") from None
+
+
 def run_bench(
     target, draft, tok, prompts: list[str], max_tokens: int = 64, batch_sizes=(1, 8), ks=range(1, 9), log=print, repeats: int = 1
 ) -> dict:
@@ -227,6 +240,7 @@ def run_bench(
     device = next(target.parameters()).device
     vocab = target.get_output_embeddings().weight.shape[0]
     ids = [tok.encode(p) for p in prompts]
+    check_inputs(target, draft, tok, ids, max_tokens, ks)
     ctx = int(statistics.median(map(len, ids))) + max_tokens // 2
     results: list[DecoderResult] = []
     summary = {}
@@ -246,6 +260,7 @@ def run_bench(
             | {k: (lambda k=k: _engine_run(target, draft, tok, ids, bs, max_tokens, k)) for k in engine_ks}
         first, times, ratios = {}, {name: [] for name in decoders}, {name: [] for name in ["c", *ks]}
         prefill, full_rate, loop = ({k: [] for k in engine_ks} for _ in range(3))
+        rows = min(bs, len(ids))  # the batch the engine really runs: fewer prompts than bs fill fewer rows
         for _ in tqdm(range(repeats), desc=f"batch {bs}: {repeats} round(s) of {len(decoders)} decoders"):
             for name, run in decoders.items():
                 out, dt = _timed(run)
@@ -254,11 +269,11 @@ def run_bench(
                 if name in prefill:
                     prefill[name].append(sum(s.prefill_time for s in out[1]))
                     loop[name].append(dt - sum(s.prefill_time + s.draft_time + s.target_time for s in out[1]))
-                    full_rate[name].append(_full_batch_tok_s(out[1], bs))
-            t1 = forward_cost(target, bs, ctx, vocab, device)
-            ratios["c"].append(forward_cost(draft, bs, ctx, vocab, device) / t1)
+                    full_rate[name].append(_full_batch_tok_s(out[1], rows))
+            t1 = forward_cost(target, rows, ctx, vocab, device)
+            ratios["c"].append(forward_cost(draft, rows, ctx, vocab, device) / t1)
             for k in ks:
-                ratios[k].append(forward_cost(target, bs, ctx, vocab, device, tokens=k + 1) / t1)
+                ratios[k].append(forward_cost(target, rows, ctx, vocab, device, tokens=k + 1) / t1)
         hf_runs = hf_runs or {name: (first[name], times[name]) for name in hf}
         for name, (out, ts) in hf_runs.items():
             first[name], times[name] = out, ts
@@ -315,6 +330,7 @@ def run_bench(
 
         summary[f"batch_{bs}"] = {
             "c": c,
+            "rows": rows,  # the engine's batch, at which c and v were measured (< bs with fewer prompts)
             "target_alone_tok_s": a.tokens_per_s,
             "engine_k0_tok_s": k0.tokens_per_s,
             "hf_assisted_tok_s": b.tokens_per_s,

@@ -26,6 +26,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import sys
@@ -252,6 +253,13 @@ def _owner() -> str:
     return f"{socket.gethostname()} {os.getpid()}"
 
 
+def _ours(d: Path) -> bool:
+    """A temp dir build_pair made: named .tmp-<cache name>-... (its build, or a finished one moved aside)
+    and carrying its PID file or build.json. --out may be a directory the user keeps other .tmp-* in."""
+    names = "|".join(re.escape(f"{p}-pair") for p in PRESETS) + "|pair-[0-9a-f]{12}"
+    return bool(re.match(rf"\.tmp-(?:{names})-", d.name)) and ((d / "PID").is_file() or (d / "build.json").is_file())
+
+
 def _sweep_stale_tmp(root: Path, foreign_after_s: float = 86400.0) -> None:
     """Delete temp dirs left by killed builds (up to ~130 MB each): their process is gone.
 
@@ -259,6 +267,8 @@ def _sweep_stale_tmp(root: Path, foreign_after_s: float = 86400.0) -> None:
     alive though its pid is not one here, so it is left alone for a day (a build takes minutes).
     """
     for d in root.glob(".tmp-*"):
+        if not _ours(d):
+            continue
         age = 0.0
         try:
             age = time.time() - d.stat().st_mtime
@@ -271,7 +281,7 @@ def _sweep_stale_tmp(root: Path, foreign_after_s: float = 86400.0) -> None:
                 continue
         except ProcessLookupError:
             pass
-        except (OSError, ValueError):  # no PID file yet (a build just starting), or d vanished
+        except (OSError, ValueError):  # no PID file: a build between its last two writes, or moved aside
             if age < 3600:
                 continue
         shutil.rmtree(d, ignore_errors=True)

@@ -8,9 +8,11 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from .config import MAX_SPECULATIVE_TOKENS, SEED_RANGE
 
-def _at_least(lo: int):
-    """argparse type: an integer >= lo, or a usage error naming the option."""
+
+def _at_least(lo: int, at_most: int | None = None):
+    """argparse type: an integer >= lo (and <= at_most), or a usage error naming the option."""
     def parse(text: str) -> int:
         try:
             v = int(text)
@@ -18,8 +20,10 @@ def _at_least(lo: int):
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
         if v < lo:
             raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+        if at_most is not None and v > at_most:
+            raise argparse.ArgumentTypeError(f"must be <= {at_most}, got {v}")
         return v
-    parse.__name__ = f"integer >= {lo}"
+    parse.__name__ = f"integer >= {lo}" if at_most is None else f"integer in [{lo}, {at_most}]"
     return parse
 
 
@@ -32,26 +36,49 @@ def _batch_sizes(text: str) -> list[int]:
 
 def _writable(path: str | None) -> None:
     """Fail before the work, not after it: a run's output must have somewhere to go."""
-    if path and not Path(path).resolve().parent.is_dir():
+    if not path:
+        return
+    if Path(path).is_dir():  # passed the parent check, then the write failed after the whole run
+        raise SystemExit(f"error: --out {path} is a directory: give a file path")
+    if not Path(path).resolve().parent.is_dir():
         raise SystemExit(f"error: --out {path}: directory {Path(path).resolve().parent} does not exist")
 
 
-def _read_prompts(path: str, field: str = "prompt") -> list[str]:
+def _read_numbered(path: str, field: str = "prompt") -> list[tuple[int, str]]:
+    """[(line number, prompt)]: errors found later (a prompt too long for the pair) name the line."""
     prompts = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise SystemExit(f"error: {path}:{n}: not valid JSON ({e.msg})")
-            if not isinstance(rec, dict) or not isinstance(rec.get(field), str):
-                raise SystemExit(f"error: {path}:{n}: expected an object with a string field {field!r}")
-            prompts.append(rec[field])
+    # utf-8-sig: an editor's BOM is not part of the first record (as replay and bootstrap read files)
+    with open(path, encoding="utf-8-sig") as f:
+        try:
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    prompts.append((n, _prompt_field(line, path, n, field)))
+        except UnicodeDecodeError as e:
+            raise SystemExit(f"error: {path}: not UTF-8 text ({e.reason})") from None
     if not prompts:
         raise SystemExit(f"error: {path} holds no prompts")
     return prompts
+
+
+def _prompt_field(line: str, path: str, n: int, field: str) -> str:
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"error: {path}:{n}: not valid JSON ({e.msg})")
+    if not isinstance(rec, dict) or not isinstance(rec.get(field), str):
+        raise SystemExit(f"error: {path}:{n}: expected an object with a string field {field!r}")
+    return rec[field]
+
+
+def _read_prompts(path: str, field: str = "prompt") -> list[str]:
+    return [p for _, p in _read_numbered(path, field)]
+
+
+def _check_seed_range(seed: int | None, n: int) -> None:
+    """Prompt i runs with seed + i: the last one must fit too, or it fails with a seed never given."""
+    if seed is not None and seed + n - 1 >= SEED_RANGE[1]:  # SamplingParams checks the seed itself
+        raise SystemExit(f"error: --seed {seed}: prompt i uses seed + i, and seed + {n - 1} "
+                         f"({n} prompts) is not below 2**63")
 
 
 def _pair_args(p: argparse.ArgumentParser) -> None:
@@ -94,7 +121,8 @@ def cmd_generate(args) -> None:
     from .engine import SpecEngine
 
     _writable(args.out)
-    prompts = _read_prompts(args.prompts)
+    numbered = _read_numbered(args.prompts)
+    _check_seed_range(args.seed, len(numbered))
     target, draft, tok = _load(args)
     try:
         params = SamplingParams(
@@ -102,10 +130,15 @@ def cmd_generate(args) -> None:
             seed=args.seed, num_speculative_tokens=args.num_speculative_tokens,
         )
         engine = SpecEngine(target, draft, tok, EngineConfig(max_batch_size=args.batch_size))
-        seeds = [None if args.seed is None else args.seed + i for i in range(len(prompts))]
-        reqs = engine.submit(prompts, [replace(params, seed=s) for s in seeds])
     except ValueError as e:
         raise SystemExit(f"error: {e}")
+    reqs = []
+    for i, (n, prompt) in enumerate(numbered):
+        seed = None if args.seed is None else args.seed + i
+        try:
+            reqs += engine.submit([prompt], replace(params, seed=seed))
+        except ValueError as e:  # e.g. too long for the pair: which of the file's prompts
+            raise SystemExit(f"error: {args.prompts}:{n}: {e}")
     bar = tqdm(total=len(reqs), desc="generate", unit="prompt", file=sys.stderr)
     done = 0
     while engine.has_unfinished():
@@ -146,9 +179,9 @@ def cmd_bench(args) -> None:
                        repeats=args.repeats)
     report["target"], report["draft"] = args.target, args.draft
     text = json.dumps(report, indent=1)
+    print(text)  # first: a failed write must not lose the run's only copy
     if args.out:
         Path(args.out).write_text(text)
-    print(text)
 
 
 def cmd_replay(args) -> None:
@@ -167,10 +200,7 @@ def cmd_replay(args) -> None:
         fields = args.field.split(",") if args.field else None
         # Backslash escapes (\n) are interpreted; other non-ASCII text passes through unchanged.
         template = args.template.encode("latin-1", "backslashreplace").decode("unicode_escape") if args.template else None
-        try:
-            stream = load_stream(args.data, fields, template, args.order, args.seed, args.max_requests)
-        except (IndexError, KeyError, AttributeError) as e:  # str.format of a bad template
-            raise SystemExit(f"error: --template {args.template!r} does not fit the records: {e!r}") from None
+        stream = load_stream(args.data, fields, template, args.order, args.seed, args.max_requests)
         params = SamplingParams(max_tokens=args.max_tokens, num_speculative_tokens=args.num_speculative_tokens)
         params.validate()
         train = TrainConfig(mode=args.mode, lr=args.lr, steps_per_update=args.steps_per_update, batch_size=args.train_batch,
@@ -206,7 +236,8 @@ def _replay_args(r: argparse.ArgumentParser) -> None:
     r.add_argument("--batch-size", type=_at_least(1), default=8)
     r.add_argument("--trigger-records", type=int, default=8, help="update after this many new records (the paper's I)...")
     r.add_argument("--trigger-age-s", type=float, default=30.0, help="...or when the oldest new record is this old")
-    r.add_argument("--buffer-mb", type=int, default=256)
+    r.add_argument("--buffer-mb", type=int, default=256,
+                   help="bound of the online replay buffer, and of the static run's records the offline bound trains on")
     r.add_argument("--eviction", choices=["fifo", "reservoir"], default="fifo")
     r.add_argument("--keep", choices=["mismatch", "all"], default="mismatch", help="positions recorded: where the draft was rejected (default; as good for α at a third of the bytes, benchmarks/OSD.md), or all verified")
     r.add_argument("--topk", type=int, default=0, help="store top-k target probs + rest mass (0: full distribution)")
@@ -221,7 +252,9 @@ def _replay_args(r: argparse.ArgumentParser) -> None:
     r.add_argument("--offline-epochs", type=_at_least(1), default=4)
     r.add_argument("--online-only", action="store_true", help="skip the static and offline baselines")
     r.add_argument("--threads", type=_at_least(0), default=0)
-    r.add_argument("--out", required=True, metavar="DIR")
+    r.add_argument("--out", required=True, metavar="DIR",
+                   help="DIR/result.json is rewritten as each run finishes and when replay stops; its \"complete\" "
+                        "is false until all runs are done (an interrupted replay keeps the runs that finished)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -255,7 +288,8 @@ def main(argv: list[str] | None = None) -> None:
     # >= 2: with one token per prompt nothing is drafted, so there is no acceptance to measure
     n.add_argument("--max-tokens", type=_at_least(2), default=64)
     n.add_argument("--batch-sizes", type=_batch_sizes, default=[1, 8], help="comma-separated, e.g. 1,8")
-    n.add_argument("--max-k", type=_at_least(1), default=8)
+    # the engine's bound: it refused k=17 only when the engine runs came, after the HF baselines
+    n.add_argument("--max-k", type=_at_least(1, MAX_SPECULATIVE_TOKENS), default=8)
     n.add_argument("--threads", type=_at_least(0), default=0, help="torch threads (default: torch's choice)")
     n.add_argument("--repeats", type=_at_least(1), default=3,
                    help="time each decoder this many times, interleaved; keep the median (one round: the first run of each shape is slow)")

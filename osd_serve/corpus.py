@@ -64,6 +64,11 @@ def _txt_documents(lines: Iterator[str]) -> Iterator[str]:
 def read_records(path: str) -> Iterator[object]:
     """The JSON records of a .jsonl, .jsonl.gz or .json (an array, or one object) file, one at a time.
     A bad line is named by file and line number; a UTF-8 BOM is allowed."""
+    return (rec for _, rec in numbered_records(path))
+
+
+def numbered_records(path: str) -> Iterator[tuple[int, object]]:
+    """(n, record) as read_records: n is the line of a .jsonl, the 1-based index in a .json array."""
     name = path.lower()
     try:
         if name.endswith((".jsonl", ".jsonl.gz")):
@@ -71,7 +76,7 @@ def read_records(path: str) -> Iterator[object]:
                 for n, line in enumerate(f, 1):
                     if line.strip():
                         try:
-                            yield json.loads(line)
+                            yield n, json.loads(line)
                         except json.JSONDecodeError as e:
                             raise ValueError(f"{path}:{n}: not valid JSON ({e.msg}, column {e.colno})") from None
         elif name.endswith(".json"):
@@ -80,7 +85,7 @@ def read_records(path: str) -> Iterator[object]:
                     data = json.load(f)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{path}:{e.lineno}: not valid JSON ({e.msg}, column {e.colno})") from None
-            yield from (data if isinstance(data, list) else [data])
+            yield from enumerate(data if isinstance(data, list) else [data], 1)
         else:
             raise ValueError(f"data file {path!r}: unsupported type (want .jsonl, .jsonl.gz or .json)")
     except UnicodeDecodeError as e:
@@ -90,9 +95,12 @@ def read_records(path: str) -> Iterator[object]:
 def read_documents(path: str) -> Iterator[str]:
     """Documents of one data file: .txt, .jsonl, .jsonl.gz or .json (array of objects), read lazily."""
     if path.lower().endswith(".txt"):
-        with open(path, encoding="utf-8", errors="replace") as f:
-            docs = _txt_documents(f)
-            yield from (p for d in docs if d.strip() for p in _pieces(d))
+        # Strict, as .jsonl is: errors="replace" built a pair from a binary file's U+FFFD noise.
+        with open(path, encoding="utf-8-sig") as f:
+            try:
+                yield from (p for d in _txt_documents(f) if d.strip() for p in _pieces(d))
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}: not UTF-8 text (byte {e.start} of a read block: {e.reason})") from None
         return
     if not path.lower().endswith((".jsonl", ".jsonl.gz", ".json")):
         raise ValueError(f"data file {path!r}: unsupported type (want .txt, .jsonl, .jsonl.gz or .json)")

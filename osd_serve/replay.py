@@ -6,6 +6,14 @@ is lossless whatever the draft) and differ only in acceptance:
   offline  an upper bound: a copy of the draft distilled beforehand on the whole stream's target
            outputs (recorded during the static run), then frozen;
   online   the draft distilled from the traffic as it is served, published through the guard.
+
+The offline bound trains on at most --buffer-mb of the static run's records, a uniform sample of the
+stream (reservoir) when they do not all fit: every verified position's distribution of a whole stream
+would not fit in memory (152k-id vocabularies: ~300 KB a position), and keeping the newest would bias
+the bound toward the stream's last domain.
+
+OUT/result.json is rewritten (atomically) as each run finishes and when replay stops, however it
+stops: "complete" is false until all runs are done, so an interrupted replay keeps what finished.
 """
 
 from __future__ import annotations
@@ -13,8 +21,10 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import random
 import shutil
+import statistics
 import sys
 import threading
 import time
@@ -25,7 +35,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .config import EngineConfig, SamplingParams
-from .corpus import read_records
+from .corpus import numbered_records
 from .distill.guard import GuardConfig
 from .distill.online import OnlineDistiller
 from .distill.recorder import RecordConfig, Recorder
@@ -33,12 +43,16 @@ from .distill.replay import BufferConfig, ReplayBuffer
 from .distill.trainer import DistillTrainer, TrainConfig
 from .distill.versions import VersionStore
 from .engine import SpecEngine
+from .output import check_prompt
 
 
-def _records(path: str) -> list:
+def _records(path: str) -> list[tuple[str, object]]:
+    """[(where, record)]: where names the line of a .jsonl (the record of a .json array), for errors
+    found later, such as a prompt too long for the pair."""
     if not path.endswith((".jsonl", ".jsonl.gz", ".json")):
         raise ValueError(f"--data {path!r}: want .jsonl, .jsonl.gz or .json")
-    return list(read_records(path))
+    label = "{}:{}" if path.endswith((".jsonl", ".jsonl.gz")) else "{} record {}"
+    return [(label.format(path, n), rec) for n, rec in numbered_records(path)]
 
 
 def _prompt(rec, fields: list[str] | None, template: str | None, path: str) -> str | None:
@@ -51,6 +65,8 @@ def _prompt(rec, fields: list[str] | None, template: str | None, path: str) -> s
             return template.format(**rec)
         except KeyError as e:
             raise ValueError(f"--template names field {e} that {path} records lack (fields: {sorted(rec)})") from None
+        except (IndexError, AttributeError, TypeError, ValueError) as e:  # '{n[0]}' on an int, a lone '{'
+            raise ValueError(f"--template {template!r} does not fit the records of {path}: {e!r}") from None
     for name in fields or [k for k, v in rec.items() if isinstance(v, str)]:
         if isinstance(rec.get(name), str) and rec[name].strip():
             return rec[name].rstrip() + "\n"  # the training text put the answer on the next line
@@ -59,13 +75,13 @@ def _prompt(rec, fields: list[str] | None, template: str | None, path: str) -> s
 
 def load_stream(files: list[str], fields: list[str] | None = None, template: str | None = None,
                 order: str = "sequential", seed: int = 0, max_requests: int | None = None) -> list[dict]:
-    """[{"prompt", "source"}] in arrival order. Sequential order with several files is a shift: each
-    file contributes an equal share of max_requests, one after the other."""
+    """[{"prompt", "source", "where"}] in arrival order (where: file and line). Sequential order with
+    several files is a shift: each file contributes an equal share of max_requests, one after the other."""
     if order not in ("sequential", "shuffle"):
         raise ValueError(f"order must be sequential or shuffle, got {order!r}")
     per_file = []
     for path in files:
-        items = [{"prompt": p, "source": Path(path).name} for rec in _records(path)
+        items = [{"prompt": p, "source": Path(path).name, "where": where} for where, rec in _records(path)
                  if (p := _prompt(rec, fields, template, path))]
         if not items:
             raise ValueError(f"--data {path}: no record has the field(s) {fields}")
@@ -132,16 +148,30 @@ def _tail_mean(xs: list, frac: float = 0.2) -> float | None:
 
 
 def throughput_ratio(engine: SpecEngine, trainer: DistillTrainer, records: list, prompts: list[str],
-                     params: SamplingParams) -> dict:
-    """tokens/s while a trainer runs beside generation over tokens/s without, on one engine and draft."""
-    def tok_s():
-        t0 = time.perf_counter()
-        outs = engine.generate(prompts, params)
-        return sum(len(c.token_ids) for c in outs) / (time.perf_counter() - t0)
+                     params: SamplingParams, rounds: int = 3) -> dict:
+    """tokens/s while a trainer runs beside generation over tokens/s without, on one engine and draft.
 
-    idle = tok_s()
+    ``rounds`` idle and busy runs alternate and the medians are kept (bench's --repeats): one sample
+    of each gave 12.8-17.8x on a shared host, where a slow spell hit whichever run it fell on."""
+    idle, busy, steps = [], [], [0]
+    for _ in range(rounds):
+        idle.append(_tok_s(engine, prompts, params))
+        busy.append(_while_training(lambda: _tok_s(engine, prompts, params), trainer, records, steps))
+    trainer.revert()  # measurement only: these steps are never published
+    mid_idle, mid_busy = statistics.median(idle), statistics.median(busy)
+    return {"tokens_per_s_idle": mid_idle, "tokens_per_s_training": mid_busy, "ratio": mid_busy / mid_idle,
+            "train_steps_during": steps[0], "rounds": rounds, "idle_rounds": idle, "training_rounds": busy}
+
+
+def _tok_s(engine: SpecEngine, prompts: list[str], params: SamplingParams) -> float:
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    return sum(len(c.token_ids) for c in outs) / (time.perf_counter() - t0)
+
+
+def _while_training(fn, trainer: DistillTrainer, records: list, steps: list[int]):
+    """fn() with a thread training on ``records`` beside it; steps[0] counts the steps taken."""
     stop = threading.Event()
-    steps = [0]
 
     def train():
         while not stop.is_set():
@@ -150,24 +180,68 @@ def throughput_ratio(engine: SpecEngine, trainer: DistillTrainer, records: list,
 
     th = threading.Thread(target=train, daemon=True)
     th.start()
-    busy = tok_s()
-    stop.set()
-    th.join()
-    trainer.revert()  # measurement only: these steps are never published
-    return {"tokens_per_s_idle": idle, "tokens_per_s_training": busy, "ratio": busy / idle, "train_steps_during": steps[0]}
+    try:
+        return fn()
+    finally:
+        stop.set()
+        th.join()
+
+
+def save_result(result: dict, path: Path) -> None:
+    """Written beside and renamed over: a replay stopped mid-write leaves the previous version whole."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    os.replace(tmp, path)
+
+
+def check_stream(engine: SpecEngine, stream: list[dict], params: SamplingParams) -> None:
+    """Every prompt fits the pair with max_tokens, before the first run, naming its file and line."""
+    for s in stream:
+        try:
+            check_prompt(engine.tokenizer, engine.vocab, engine.max_model_len, s["prompt"], params)
+        except ValueError as e:
+            raise ValueError(f"{s.get('where', s['source'])}: {e}") from None
+
+
+def _static_engine(target, draft, tokenizer, engine_cfg, buffer_cfg: BufferConfig, topk: int):
+    """(engine, buffer): the engine records every verified position it serves, the offline bound's
+    training data, into a buffer of --buffer-mb that keeps a uniform sample of the stream."""
+    buf = ReplayBuffer(replace(buffer_cfg, eviction="reservoir"))
+    rec = Recorder(RecordConfig("all", topk), on_finish=lambda r, t: r is not None and buf.add(r))
+    return SpecEngine(target, draft, tokenizer, engine_cfg, rec), buf
+
+
+def _train_offline(draft, buf: ReplayBuffer, train_cfg: TrainConfig, vocab: int, epochs: int) -> tuple:
+    """(a distilled copy of draft, training stats): uniform minibatches over the kept records."""
+    records = [r for shard in buf.shards.values() for r in shard.records]
+    offline = DistillTrainer(draft, replace(train_cfg, recent_fraction=0.0), vocab=vocab)
+    steps = epochs * math.ceil(len(records) / train_cfg.batch_size)
+    t0 = time.perf_counter()
+    losses = offline.train(records, steps=steps, progress=True)
+    off_draft = copy.deepcopy(draft)
+    off_draft.load_state_dict(offline.serving_state(), strict=False)
+    return off_draft, {
+        "train_steps": steps, "train_s": time.perf_counter() - t0,
+        "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
+        # fewer than offered: --buffer-mb evicted some (a weaker bound than the whole stream's)
+        "train_records": len(records), "records_offered": sum(sh.seen for sh in buf.shards.values()),
+        "train_bytes": buf.nbytes,
+    }
 
 
 def replay(target, draft, tokenizer, stream: list[dict], out_dir: str, params: SamplingParams,
            train_cfg: TrainConfig, buffer_cfg: BufferConfig, record_cfg: RecordConfig, guard_cfg: GuardConfig,
            engine_cfg: EngineConfig | None = None, offline_epochs: int = 4, skip_baselines: bool = False) -> dict:
+    check_stream(SpecEngine(target, draft, tokenizer, engine_cfg), stream, params)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     prompts = [s["prompt"] for s in stream]
-    result: dict = {"requests": len(prompts), "params": asdict(params), "train": asdict(train_cfg),
+    result: dict = {"complete": False, "requests": len(prompts), "params": asdict(params), "train": asdict(train_cfg),
                     "buffer": asdict(buffer_cfg), "record": asdict(record_cfg), "guard": asdict(guard_cfg),
                     "sources": [s["source"] for s in stream], "runs": {}}
     base_state = {n: t.clone() for n, t in draft.state_dict().items()}
     outputs = {}
+    save = lambda: save_result(result, out / "result.json")  # noqa: E731
 
     def finish_run(name, traces, toks, wall, extra=None):
         alpha = [t["acceptance"] for t in traces]
@@ -177,26 +251,39 @@ def replay(target, draft, tokenizer, stream: list[dict], out_dir: str, params: S
             "final_expected_alpha": _tail_mean([t["expected_acceptance"] for t in traces]),
             "tokens": sum(len(t) for t in toks), "wall_s": wall, **(extra or {}),
         }
+        save()  # a run that finished is kept whatever happens to the next one
 
-    if not skip_baselines:
-        # static: also records every verified position: the offline bound's training data
-        static_records = []
-        eng = SpecEngine(target, draft, tokenizer, engine_cfg, Recorder(RecordConfig("all", record_cfg.topk),
-                         on_finish=lambda r, t: r is not None and static_records.append(r)))
-        finish_run("static", *run_stream(eng, prompts, params, "static"))
+    # An earlier run's result and figures go now: its versions/ does too (below), and a result.json
+    # left beside this run's files would describe another run.
+    for stale in ("alpha.png", "loss.png"):
+        (out / stale).unlink(missing_ok=True)
+    save()
+    try:
+        if not skip_baselines:
+            eng, static_buf = _static_engine(target, draft, tokenizer, engine_cfg, buffer_cfg, record_cfg.topk)
+            finish_run("static", *run_stream(eng, prompts, params, "static"))
+            off_draft, result["offline_training"] = _train_offline(draft, static_buf, train_cfg, eng.vocab, offline_epochs)
+            del static_buf
+            save()
+            eng = SpecEngine(target, off_draft, tokenizer, engine_cfg)
+            finish_run("offline", *run_stream(eng, prompts, params, "offline"), result["offline_training"])
+            del off_draft
+        _online(target, draft, tokenizer, prompts, params, train_cfg, buffer_cfg, record_cfg, guard_cfg, engine_cfg,
+                out, result, finish_run)
+        # With one run (--online-only) there is nothing to compare: null, not true.
+        result["outputs_identical"] = all(o == outputs["online"] for o in outputs.values()) if len(outputs) > 1 else None
+        result["draft_unchanged"] = all(torch.equal(t, draft.state_dict()[n]) for n, t in base_state.items())
+        result["complete"] = True
+    finally:
+        save()
+    plot_alpha(result, out / "alpha.png")
+    plot_loss(result["runs"]["online"]["loss_curve"], out / "loss.png")
+    return result
 
-        # Distilled beforehand on the whole stream: uniform minibatches, no recency share.
-        offline = DistillTrainer(draft, replace(train_cfg, recent_fraction=0.0), vocab=eng.vocab)
-        steps = offline_epochs * math.ceil(len(static_records) / train_cfg.batch_size)
-        t0 = time.perf_counter()
-        losses = offline.train(static_records, steps=steps, progress=True)
-        off_draft = copy.deepcopy(draft)
-        off_draft.load_state_dict(offline.serving_state(), strict=False)
-        eng = SpecEngine(target, off_draft, tokenizer, engine_cfg)
-        finish_run("offline", *run_stream(eng, prompts, params, "offline"),
-                   {"train_steps": steps, "train_s": time.perf_counter() - t0, "loss_first": losses[0], "loss_last": losses[-1]})
-        del offline, off_draft
 
+def _online(target, draft, tokenizer, prompts, params, train_cfg, buffer_cfg, record_cfg, guard_cfg, engine_cfg,
+            out: Path, result: dict, finish_run) -> None:
+    """The online run (into result["runs"]["online"]), then the throughput it keeps while training."""
     online_draft = copy.deepcopy(draft)
     eng = SpecEngine(target, online_draft, tokenizer, engine_cfg)
     trainer = DistillTrainer(online_draft, train_cfg, vocab=eng.vocab)
@@ -223,13 +310,6 @@ def replay(target, draft, tokenizer, stream: list[dict], out_dir: str, params: S
                                   "positions_mean": sum(len(r.positions) for r in records) / len(records),
                                   "keep": record_cfg.keep, "topk": record_cfg.topk}
         result["throughput_while_training"] = throughput_ratio(eng, trainer, records, prompts[:16], params)
-    # With one run (--online-only) there is nothing to compare: null, not true.
-    result["outputs_identical"] = all(o == outputs["online"] for o in outputs.values()) if len(outputs) > 1 else None
-    result["draft_unchanged"] = all(torch.equal(t, draft.state_dict()[n]) for n, t in base_state.items())
-    (out / "result.json").write_text(json.dumps(result, indent=1))
-    plot_alpha(result, out / "alpha.png")
-    plot_loss(result["runs"]["online"]["loss_curve"], out / "loss.png")
-    return result
 
 
 def _plt():

@@ -132,6 +132,23 @@ def test_killed_builds_temp_dirs_are_swept(tmp_path):
     assert not other.exists() and alive.exists()
 
 
+def test_sweep_leaves_temp_dirs_it_did_not_make(tmp_path):
+    """--out may be a directory of the user's: any .tmp-* an hour old without our PID file was deleted."""
+    old = time.time() - 7200
+    mine = tmp_path / ".tmp-myproject"  # the user's own, however old
+    unmarked = tmp_path / ".tmp-default-pair-abc"  # our name, but neither PID file nor build.json
+    aside = tmp_path / ".tmp-tiny-pair-old-1-2"  # a finished build moved aside by a killed process
+    for d in (mine, unmarked, aside):
+        d.mkdir()
+    (mine / "notes.txt").write_text("important")
+    (mine / "build.json").write_text("{}")  # even with a file of that name: not a name we make
+    (aside / "build.json").write_text("{}")
+    for d in (mine, unmarked, aside):
+        os.utime(d, (old, old))
+    bootstrap._sweep_stale_tmp(tmp_path)
+    assert (mine / "notes.txt").read_text() == "important" and unmarked.exists() and not aside.exists()
+
+
 def test_record_text_joins_string_fields():
     rec = {"question": "How many?", "answer": "4", "id": 7, "tags": ["a"], "empty": "", "x": None}
     assert record_text(rec) == "How many?\n4"
@@ -170,6 +187,10 @@ def test_data_errors_name_the_file_and_line_and_long_texts_are_cut(tmp_path):
     bom = tmp_path / "bom.jsonl"
     bom.write_bytes(b"\xef\xbb\xbf" + b'{"q": "hello"}\n')
     assert list(read_documents(str(bom))) == ["hello"]
+    binary = tmp_path / "bin.txt"  # read with errors="replace", it built a pair from U+FFFD noise
+    binary.write_bytes(bytes(range(128, 256)) * 64)
+    with pytest.raises(ValueError, match=f"{binary}: not UTF-8"):
+        list(read_documents(str(binary)))
     one = tmp_path / "one.txt"
     one.write_text("word " * 20_000)  # 100,000 characters, no line break
     docs = list(read_documents(str(one)))

@@ -133,7 +133,7 @@ def test_replay_writes_result_and_figure(tiny_pair, tmp_path):
              "--steps-per-update", "2", "--offline-epochs", "1", "--out", str(out))
     assert r.returncode == 0, r.stderr
     res = json.loads((out / "result.json").read_text())
-    assert (out / "alpha.png").stat().st_size > 0
+    assert (out / "alpha.png").stat().st_size > 0 and res["complete"] is True
     assert res["sources"] == ["q.jsonl"] * 4 + ["a.json"] * 4  # sequential order: a shift
     for name in ("static", "offline", "online"):
         run = res["runs"][name]
@@ -176,10 +176,14 @@ def test_bad_options_and_paths_are_one_line_errors(tmp_path, capsys):
     pair = ["--target", str(tmp_path), "--draft", str(tmp_path)]
     cases = [
         (["bench", "--max-k", "0"], "--max-k: must be >= 1"),
+        (["bench", "--max-k", "17"], "--max-k: must be <= 16"),  # the engine refused it after the HF baselines
         (["bench", "--max-tokens", "1"], "--max-tokens: must be >= 2"),  # nothing drafted: it failed after the whole run
         (["bench", "--batch-sizes", "1,x"], "--batch-sizes: expected an integer"),
         (["generate", "--prompts", str(good), "--max-tokens", "-1"], "--max-tokens: must be >= 1"),
         (["generate", "--prompts", str(good), "--out", str(tmp_path / "no" / "o.jsonl")], "does not exist"),
+        # a directory passed the parent check: the whole run, then a failed write
+        (["generate", "--prompts", str(good), "--out", str(tmp_path), *pair], f"--out {tmp_path} is a directory"),
+        (["bench", "--prompts", str(good), "--out", str(tmp_path), *pair], f"--out {tmp_path} is a directory"),
         (["generate", "--prompts", str(tmp_path / "missing.jsonl")], "No such file"),
         (["generate", "--prompts", str(good), "--device", "bogus", *pair], "device must be auto, cpu, cuda or cuda:N"),
         (["bootstrap", "--data", str(tmp_path)], "not a regular file"),

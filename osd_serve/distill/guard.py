@@ -28,8 +28,8 @@ class GuardConfig:
     def __post_init__(self) -> None:
         if not 0.0 < self.heldout_fraction < 1.0:
             raise ValueError(f"heldout_fraction must be in (0, 1), got {self.heldout_fraction}")
-        if self.tolerance < 0:
-            raise ValueError(f"tolerance must be >= 0, got {self.tolerance}")
+        if not math.isfinite(self.tolerance) or self.tolerance < 0:  # nan < 0 is False: it passed, and published all
+            raise ValueError(f"tolerance must be finite and >= 0, got {self.tolerance}")
 
 
 def split_for_guard(heldout_flags: list[bool], cfg: GuardConfig) -> tuple[list[int], list[int]] | None:

@@ -12,6 +12,7 @@ Training data (GKD's lambda, Agarwal et al. 2023):
 from __future__ import annotations
 
 import copy
+import math
 import random
 from dataclasses import dataclass
 
@@ -67,6 +68,8 @@ class TrainConfig:
         for name in ("lr", "steps_per_update", "batch_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not math.isfinite(self.lr):  # nan <= 0 is False: a NaN lr passed, and every step was NaN
+            raise ValueError(f"lr must be finite, got {self.lr}")
 
 
 def _student_positions(rec: ReplayRecord) -> torch.Tensor:

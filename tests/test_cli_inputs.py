@@ -1,0 +1,247 @@
+"""The command line's inputs and outputs, in-process on conftest's tiny models (no bootstrap): a bad
+input fails before the work and names what is wrong; a replay keeps what finished; bench measures
+what the engine runs."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from osd_serve import bench, cli, replay
+from osd_serve.config import EngineConfig, SamplingParams
+from osd_serve.distill.guard import GuardConfig
+from osd_serve.distill.recorder import RecordConfig
+from osd_serve.distill.replay import BufferConfig
+from osd_serve.distill.trainer import DistillTrainer, TrainConfig
+from tests.conftest import llama, perturbed
+
+
+@pytest.fixture(scope="module")
+def models():
+    """(target, draft, tokenizer): max_position_embeddings 256, so a 300-character prompt is too long."""
+    from tests.conftest import char_tokenizer
+
+    tok = char_tokenizer()
+    target = llama(len(tok), seed=0)
+    return target, perturbed(target, 0.015), tok
+
+
+def _error(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    err = capsys.readouterr().err + str(e.value.code)
+    assert e.value.code != 0 and "Traceback" not in err, err
+    return err
+
+
+def _jsonl(path, prompts) -> str:
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" if p else "\n" for p in prompts), encoding="utf-8")
+    return str(path)
+
+
+def _replay(models, tmp_path, prompts, max_bytes=1 << 20, skip_baselines=False):
+    target, draft, tok = models
+    stream = [{"prompt": p, "source": "s.jsonl", "where": f"s.jsonl:{i + 1}"} for i, p in enumerate(prompts)]
+    return replay.replay(target, draft, tok, stream, str(tmp_path / "run"), SamplingParams(max_tokens=4),
+                         TrainConfig(steps_per_update=1, batch_size=2), BufferConfig(max_bytes=max_bytes, trigger_records=2),
+                         RecordConfig(), GuardConfig(), EngineConfig(max_batch_size=4), offline_epochs=1,
+                         skip_baselines=skip_baselines)
+
+
+def _stop_at(monkeypatch, run_name: str) -> None:
+    """run_stream raises KeyboardInterrupt (a Ctrl-C) when the run named run_name starts."""
+    real = replay.run_stream
+
+    def run_stream(engine, prompts, params, desc):
+        if desc == run_name:
+            raise KeyboardInterrupt
+        return real(engine, prompts, params, desc)
+
+    monkeypatch.setattr(replay, "run_stream", run_stream)
+
+
+def test_interrupted_replay_keeps_the_runs_that_finished(models, tmp_path, monkeypatch):
+    """result.json was written once, after all three runs: a Ctrl-C in the online run lost the rest."""
+    _stop_at(monkeypatch, "online")
+    with pytest.raises(KeyboardInterrupt):
+        _replay(models, tmp_path, ["def f(x):", "import os"])
+    res = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert res["complete"] is False and set(res["runs"]) == {"static", "offline"}
+    assert len(res["runs"]["static"]["per_request"]) == 2 and res["offline_training"]["train_steps"] >= 1
+    assert not list((tmp_path / "run").glob("*.tmp"))  # written beside, then renamed over
+
+
+def test_a_new_replay_replaces_an_earlier_result_at_once(models, tmp_path, monkeypatch):
+    """The online run deletes DIR/versions of an earlier run; its result.json stayed, describing it."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "result.json").write_text(json.dumps({"complete": True, "runs": {"earlier": {}}}))
+    _stop_at(monkeypatch, "static")
+    with pytest.raises(KeyboardInterrupt):
+        _replay(models, tmp_path, ["def f(x):"])
+    res = json.loads((run / "result.json").read_text())
+    assert res["complete"] is False and res["runs"] == {} and res["requests"] == 1
+    monkeypatch.undo()
+    assert _replay(models, tmp_path, ["def f(x):"], skip_baselines=True)["complete"] is True
+    assert json.loads((run / "result.json").read_text())["complete"] is True
+
+
+def test_offline_bound_trains_on_at_most_buffer_mb(models, tmp_path, monkeypatch):
+    """The static run kept every verified position's distribution of every request for the offline
+    bound, whatever --buffer-mb said."""
+    seen = []
+    real = DistillTrainer.train
+
+    def train(self, records, steps=None, progress=False):
+        if progress:  # the offline bound's one call; the online trainer's are quiet
+            seen.append(sum(r.nbytes for r in records))
+        return real(self, records, steps, progress)
+
+    monkeypatch.setattr(DistillTrainer, "train", train)
+    max_bytes = 4000  # a record here: ~4 positions x ~80 ids x 2 bytes + ids, so about two fit
+    res = _replay(models, tmp_path, [f"x{i} = [{i}," for i in range(8)], max_bytes=max_bytes)
+    off = res["runs"]["offline"]
+    assert len(seen) == 1 and 0 < seen[0] <= max_bytes
+    assert off["records_offered"] == 8 > off["train_records"] >= 1
+
+
+def test_replay_names_the_line_of_a_too_long_prompt(models, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "_load", lambda args: models)
+    data = _jsonl(tmp_path / "d.jsonl", ["def f(x):", "x" * 300])
+    err = _error(["replay", "--data", data, "--field", "prompt", "--out", str(tmp_path / "run")], capsys)
+    assert f"{data}:2" in err and "too long" in err and not (tmp_path / "run").exists()
+
+
+def test_throughput_while_training_alternates_rounds_and_keeps_medians():
+    """One idle and one busy sample gave 12.8-17.8x on a shared host."""
+    log, calls = [], [0]
+
+    class Engine:
+        def generate(self, prompts, params):
+            before = calls[0]
+            time.sleep(0.05)  # long enough for a training thread, if one runs, to take steps
+            log.append("busy" if calls[0] > before else "idle")
+            return [SimpleNamespace(token_ids=[1, 2]) for _ in prompts]
+
+    class Trainer:
+        def train(self, records, steps):
+            calls[0] += 1
+            time.sleep(0.001)
+
+        def revert(self):
+            pass
+
+    res = replay.throughput_ratio(Engine(), Trainer(), [], ["a", "b"], SamplingParams())
+    assert log == ["idle", "busy"] * 3  # alternating: a slow spell of the host hits both alike
+    assert len(res["idle_rounds"]) == len(res["training_rounds"]) == 3 and res["train_steps_during"] >= 1
+    assert res["tokens_per_s_idle"] == statistics.median(res["idle_rounds"])
+    assert res["ratio"] == pytest.approx(statistics.median(res["training_rounds"]) / statistics.median(res["idle_rounds"]))
+
+
+def test_bench_refuses_a_too_long_prompt_before_timing(models, monkeypatch):
+    """max_tokens beyond the models' positions failed in the engine's runs, after every HF baseline."""
+    def timed(*a, **k):
+        raise AssertionError("a decoder ran before the inputs were checked")
+
+    monkeypatch.setattr(bench, "hf_generate", timed)
+    target, draft, tok = models
+    with pytest.raises(ValueError, match="prompt 2: prompt is too long"):
+        bench.run_bench(target, draft, tok, ["def f(", "x" * 200], max_tokens=100, batch_sizes=(1,), ks=range(1, 2))
+
+
+def test_bench_measures_costs_at_the_batch_the_engine_runs(models, monkeypatch):
+    """c and v were timed at --batch-sizes even with fewer prompts, a batch the engine never ran."""
+    batches = []
+    real = bench.forward_cost
+
+    def forward_cost(model, batch, *a, **k):
+        batches.append(batch)
+        return real(model, batch, *a, **{**k, "repeats": 2})
+
+    monkeypatch.setattr(bench, "forward_cost", forward_cost)
+    target, draft, tok = models
+    rep = bench.run_bench(target, draft, tok, ["def f(", "x = 1"], max_tokens=3, batch_sizes=(4,), ks=range(1, 2),
+                          log=lambda s: None)
+    assert set(batches) == {2} and rep["summary"]["batch_4"]["rows"] == 2
+
+
+def test_bench_prints_the_report_before_writing_it(tmp_path, monkeypatch, capsys):
+    """A write that failed after the whole run printed nothing: the report was lost."""
+    import pathlib
+
+    monkeypatch.setattr(cli, "_load", lambda args: (None, None, None))
+    monkeypatch.setattr(bench, "run_bench", lambda *a, **k: {"summary": "measured"})
+
+    def full_disk(self, *a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pathlib.Path, "write_text", full_disk)
+    prompts = tmp_path / "p.jsonl"
+    with open(prompts, "w") as f:
+        f.write('{"prompt": "x"}\n')
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--target", str(tmp_path), "--draft", str(tmp_path), "--prompts", str(prompts),
+                  "--out", str(tmp_path / "b.json")])
+    assert json.loads(capsys.readouterr().out)["summary"] == "measured"
+
+
+def test_generate_reads_a_prompts_file_with_a_bom(tmp_path):
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "hello"}\n')
+    assert cli._read_prompts(str(bom)) == ["hello"]
+
+
+def test_generate_names_a_prompts_file_that_is_not_utf8(tmp_path, capsys):
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(b'{"prompt": "caf\xe9"}\n')
+    assert f"{latin}: not UTF-8" in _error(["generate", "--prompts", str(latin)], capsys)
+
+
+def test_generate_names_the_line_of_a_too_long_prompt(models, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "_load", lambda args: models)
+    long = _jsonl(tmp_path / "long.jsonl", ["def f(", "", "x" * 300])  # line 3: a blank line is not a prompt
+    assert f"{long}:3: prompt is too long" in _error(["generate", "--prompts", long], capsys)
+
+
+def test_seed_of_the_last_prompt_must_fit(tmp_path, capsys):
+    """Prompt i runs with seed + i: 2**63 - 1 with two prompts failed naming a seed never given."""
+    two = _jsonl(tmp_path / "two.jsonl", ["a", "b"])
+    err = _error(["generate", "--prompts", two, "--seed", str(2**63 - 1)], capsys)
+    assert f"--seed {2**63 - 1}" in err
+
+
+def _replay_argv(tmp_path, monkeypatch) -> list[str]:
+    """replay's arguments on a one-record file, with a _load that fails the test if reached."""
+    def load(args):
+        raise AssertionError("the models loaded before the settings were checked")
+
+    monkeypatch.setattr(cli, "_load", load)
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"n": 5, "q": "x"}) + "\n")
+    return ["replay", "--data", str(data), "--out", str(tmp_path / "run")]
+
+
+def test_replay_names_a_template_that_does_not_fit(tmp_path, monkeypatch, capsys):
+    base = _replay_argv(tmp_path, monkeypatch)
+    assert "--template" in _error([*base, "--template", "{n[0]}"], capsys)  # int is not subscriptable: TypeError
+    assert "--template" in _error([*base, "--template", "{q"], capsys)  # a lone '{': ValueError
+
+
+def test_replay_refuses_non_finite_lr_and_tolerance_before_loading(tmp_path, monkeypatch, capsys):
+    base = _replay_argv(tmp_path, monkeypatch)
+    assert "lr must be finite" in _error([*base, "--lr", "nan"], capsys)
+    for tol in ("nan", "inf"):
+        assert "tolerance must be finite" in _error([*base, "--guard-tolerance", tol], capsys)
+
+
+def test_config_values_must_be_finite():
+    for bad in (math.nan, math.inf):
+        with pytest.raises(ValueError, match="tolerance"):
+            GuardConfig(tolerance=bad)
+        with pytest.raises(ValueError, match="lr"):
+            TrainConfig(lr=bad)
