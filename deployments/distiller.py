@@ -117,7 +117,7 @@ def train_loop_per_worker(config: dict) -> None:
     device = ray.train.torch.get_device() if config["use_gpu"] else torch.device("cpu")
     draft = AutoModelForCausalLM.from_pretrained(config["draft_path"]).to(device)
     draft.load_state_dict(load_file(config["state_path"]), strict=False)
-    records = ray.get(config["record_refs"])[rank::world]
+    records = ray.get(config["record_refs"][rank::world])  # its share only: each fetch copies a record to this node
 
     def all_reduce(params):
         if world > 1:
