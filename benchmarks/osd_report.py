@@ -59,6 +59,11 @@ def adaptation(result, run="online", window=10, frac=0.9):
 def main(root: str) -> None:
     root = Path(root)
     res = {p.parent.name: json.loads(p.read_text()) for p in sorted(root.glob("*/result.json"))}
+    # replay rewrites result.json after each run: one it did not finish (interrupted, failed) has
+    # "complete": false and lacks later runs; it is named, not reported
+    for name in [n for n, r in res.items() if r.get("complete") is False]:
+        print(f"(skipped {name}: its replay did not finish)", file=sys.stderr)
+        del res[name]
     print("# Online distillation experiments (issue 3)\n")
     print("Regenerate: `bash benchmarks/run_osd_experiments.sh` (runs every stream, then this report).")
     print("Pair: `osd-serve bootstrap --preset osd --data gsm8k/train spider/train mbpp alpaca` (target 29.9M,")

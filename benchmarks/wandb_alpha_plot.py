@@ -68,7 +68,9 @@ def main(path: str, out: str) -> None:
     for e in experts:
         pts = [(r["time"] - t0, r[f"alpha/{e}"]) for r in rows if f"alpha/{e}" in r]
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=f"expert {e}")
-    vs = [(r["time"] - t0, k) for r in rows for k in r if k.startswith("version/") and r[k] is not None]
+    # a published version or a rollback; the version each expert starts at is logged too, and is neither
+    vs = [(r["time"] - t0, k) for r in rows for k in r if k.startswith("version/") and r[k] is not None
+          and (r.get(f"published/{k[8:]}") == 1 or r.get(f"rollback/{k[8:]}"))]
     for t, _ in vs:
         ax.axvline(t, color="grey", lw=0.5, ls=":")
     ax.set_xlabel("seconds since the first logged row")

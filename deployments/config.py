@@ -10,12 +10,26 @@ import os
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class _Strict(BaseModel):
     # strict: YAML gives real types, so "4", true or 4.0 for a count is a mistake, not a 4 (true was k = 1)
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+def _yaml_float(v):
+    """PyYAML (YAML 1.1) reads 1e-3 and 5e-4, an exponent with no dot, as strings: a float field takes
+    those as the number they spell; anything else goes to strict validation as it came."""
+    if isinstance(v, str):
+        try:
+            return float(v)
+        except ValueError:
+            return v
+    return v
+
+
+YamlFloat = Annotated[float, BeforeValidator(_yaml_float)]
 
 
 def _local_path(v: str | None) -> bool:
@@ -63,9 +77,9 @@ class DistillConfig(_Strict):
     max_train_workers: int = Field(4, ge=1)
     mode: Literal["full", "lora"] = "lora"
     trigger_records: int = Field(8, ge=1)
-    trigger_age_s: float = Field(60.0, gt=0)
+    trigger_age_s: YamlFloat = Field(60.0, gt=0)
     steps_per_update: int = Field(16, ge=1)
-    lr: float = Field(1e-3, gt=0, lt=1)
+    lr: YamlFloat = Field(1e-3, gt=0, lt=1)
     # Record the target's distribution where the draft was rejected (the paper's choice), or everywhere.
     # mismatch measured as good for α at under a third of the bytes (benchmarks/OSD.md).
     keep: Literal["mismatch", "all"] = "mismatch"
@@ -82,7 +96,7 @@ class WandbConfig(_Strict):
     mode: Literal["auto", "online", "offline", "disabled"] = "auto"
     project: str = "osd-serve"
     dir: str = "~/.cache/osd-serve/wandb"
-    log_every_s: float = Field(10.0, gt=0)
+    log_every_s: YamlFloat = Field(10.0, gt=0)
 
 
 class AppConfig(_Strict):
@@ -101,7 +115,7 @@ class AppConfig(_Strict):
     # runs on a GPU; on shared CPU cores it competes with the verifier (a step measured 1.10x slower,
     # benchmarks/results/disagg_overhead.json).
     draft_ahead: bool | Literal["auto"] = "auto"
-    batch_wait_timeout_s: float = Field(0.002, ge=0, le=1)  # disaggregated: @serve.batch's wait for a fuller batch
+    batch_wait_timeout_s: YamlFloat = Field(0.002, ge=0, le=1)  # disaggregated: @serve.batch's wait for a fuller batch
     experts: list[ExpertConfig] = [ExpertConfig(name="default")]
     default_expert: str = "default"
     max_batch_size: int = Field(8, ge=1, le=256)

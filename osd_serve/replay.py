@@ -302,7 +302,7 @@ def _online(target, draft, tokenizer, prompts, params, train_cfg, buffer_cfg, re
         "updates": len(ups), "published": sum(u.published for u in ups), "refused": [u.reason for u in ups if not u.published],
         "update_log": [{k: v for k, v in asdict(u).items() if k != "losses"} | {"loss_first": u.losses[0] if u.losses else None,
                         "loss_last": u.losses[-1] if u.losses else None} for u in ups],
-        "loss_curve": trainer.losses, "versions_kept": store.versions,
+        "loss_curve": list(trainer.losses), "versions_kept": store.versions,
     })
     records = list(dist.buffer.shard("default").records)
     if records:

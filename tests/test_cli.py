@@ -140,6 +140,8 @@ def test_replay_writes_result_and_figure(tiny_pair, tmp_path):
         assert len(run["per_request"]) == 8 and len(run["running_mean_alpha"]) == 8 and run["wall_s"] > 0
         assert set(run["per_request"][0]) >= {"acceptance", "expected_acceptance", "tokens_per_target_forward", "draft_version"}
     assert res["runs"]["online"]["updates"] >= 1
+    # the online run's loss curve is its updates' steps (2 each), not also the throughput check's
+    assert len(res["runs"]["online"]["loss_curve"]) == 2 * res["runs"]["online"]["updates"]
     assert 0 < res["throughput_while_training"]["ratio"]
     assert res["draft_unchanged"] and res["outputs_identical"] in (True, False)
     one = _cli("replay", "--target", pair["target"], "--draft", pair["draft"], "--data", str(data), "--field", "question",

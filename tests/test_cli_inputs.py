@@ -108,6 +108,10 @@ def test_offline_bound_trains_on_at_most_buffer_mb(models, tmp_path, monkeypatch
     off = res["runs"]["offline"]
     assert len(seen) == 1 and 0 < seen[0] <= max_bytes
     assert off["records_offered"] == 8 > off["train_records"] >= 1
+    # whatever the online buffer's eviction, the bound keeps a uniform sample (fifo would keep the last domain)
+    target, draft, tok = models
+    _, buf = replay._static_engine(target, draft, tok, EngineConfig(), BufferConfig(eviction="fifo"), 0)
+    assert buf.cfg.eviction == "reservoir"
 
 
 def test_replay_names_the_line_of_a_too_long_prompt(models, tmp_path, monkeypatch, capsys):

@@ -18,7 +18,7 @@ from osd_serve.distill.online import OnlineDistiller
 from osd_serve.distill.recorder import RecordConfig, Recorder
 from osd_serve.distill.replay import BufferConfig, ReplayBuffer, make_record
 from osd_serve.distill.trainer import DistillTrainer, TrainConfig
-from osd_serve.distill.versions import VersionStore
+from osd_serve.distill.versions import VersionStore, draft_fingerprint
 from osd_serve.engine import SpecEngine
 
 SP = SamplingParams(max_tokens=12, num_speculative_tokens=3)
@@ -132,3 +132,19 @@ def test_a_smaller_reservoir_drops_uniformly_chosen_records():
         for i, r in enumerate(stream):
             survivors[i] += id(r) in held
     assert sum(survivors[:50]) > 0.7 * sum(survivors[50:])  # FIFO would keep only the newest ten
+
+
+def test_a_drafts_fingerprint_survives_a_bfloat16_load_and_is_recorded_on_an_old_store(models, tok, tmp_path):
+    """The fingerprint hashed float32 values, so the same draft loaded in bfloat16 (dtype auto on a GPU
+    node) cleared its own versions; and a store from before fingerprints never got one, so a later
+    redeploy with another draft resumed it."""
+    target, weak = models
+    state = weak.state_dict()
+    assert draft_fingerprint(state) == draft_fingerprint({n: t.to(torch.bfloat16) for n, t in state.items()})
+    assert draft_fingerprint(state) != draft_fingerprint(perturbed(target, 0.2, seed=9).state_dict())
+    store = VersionStore(tmp_path)
+    store.publish({n: t.clone() for n, t in state.items()}, {"reason": "initial draft"})  # no fingerprint
+    store.publish({n: t.clone() for n, t in state.items()}, {"reason": "an update"})
+    eng = SpecEngine(target, copy.deepcopy(weak), tok, EngineConfig(max_batch_size=2))
+    OnlineDistiller(eng, DistillTrainer(eng.draft, TrainConfig(mode="full")), ReplayBuffer(), store)
+    assert eng.draft_version == 1 and VersionStore(tmp_path).manifest["draft"] == draft_fingerprint(state)

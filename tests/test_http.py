@@ -321,6 +321,12 @@ def test_config_errors_name_the_field():
             parse_config(args)
     assert parse_config({"distill": {"trigger_age_s": 60}}).distill.trigger_age_s == 60.0  # an int is a float
     yaml = pytest.importorskip("yaml")
+    exp = yaml.safe_load("distill: {lr: 1e-3, trigger_age_s: 2e1}\nbatch_wait_timeout_s: 5e-3")  # YAML 1.1: strings
+    assert isinstance(exp["distill"]["lr"], str)
+    cfg = parse_config(exp)
+    assert (cfg.distill.lr, cfg.distill.trigger_age_s, cfg.batch_wait_timeout_s) == (1e-3, 20.0, 5e-3)
+    with pytest.raises(ValueError, match=r"distill\.lr"):
+        parse_config({"distill": {"lr": "fast"}})
     for path in ("serve_config.yaml", "serve_config.disaggregated.yaml"):  # the shipped configs validate
         parse_config(yaml.safe_load((Path(__file__).resolve().parents[1] / path).read_text())["applications"][0]["args"])
 

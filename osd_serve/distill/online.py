@@ -59,11 +59,11 @@ class OnlineDistiller:
         if store.current is not None and store.manifest.get("draft", base) != base:
             # Versions of another draft (a redeploy changed it, or an adapter): same shapes would load
             # without complaint and serve the wrong model's weights. They are no use to this one.
-            logger.warning("versions under %s belong to another draft; starting from version 0", store.root)
+            logger.warning("versions under %s belong to another draft (or this one loaded in float16, whose rounding "
+                           "differs); starting from version 0", store.root)
             store.clear()
         if store.current is None:  # version 0: the draft we started from, so rollback can reach it
-            store.publish(trainer.serving_state(), {"reason": "initial draft"})
-            store.set_draft(base)
+            store.publish(trainer.serving_state(), {"reason": "initial draft"}, draft=base)
             self._adapter_base = store.current
         else:  # a store this draft was distilled into before (a restart): serve and train on from its current version
             state = store.load(store.current)
@@ -71,6 +71,8 @@ class OnlineDistiller:
             self.serving.load_state_dict(state, strict=False)
             trainer.reset_to(state)
             self._adapter_base = store.current  # LoRA mode: the adapters from here on apply over this version
+            if "draft" not in store.manifest:  # a store from before fingerprints: it is this draft's from now on
+                store.set_draft(base)
         engine.draft_version = store.current
         engine.recorder = Recorder(record, on_finish=self._on_finish)
 

@@ -37,12 +37,18 @@ logger = logging.getLogger(__name__)
 
 def draft_fingerprint(state: dict[str, torch.Tensor]) -> str:
     """Names, shapes and a few values of each tensor: tells one draft's weights from another's (a
-    redeploy that changed the draft must not resume the old draft's versions) without hashing them all."""
+    redeploy that changed the draft must not resume the old draft's versions) without hashing them all.
+    Values are rounded to bfloat16 first, so one draft loaded in float32 and in bfloat16 (dtype auto
+    on a CPU and on a GPU node) is the same draft: its versions load into either. A float16 load can
+    round differently (fp16, then bf16) and read as another draft: its versions are then cleared."""
     h = hashlib.sha256()
     for name in sorted(state):
         t = state[name].detach().reshape(-1)  # [numel]
+        ends = torch.cat([t[:32], t[-32:]]).cpu()  # [<= 64]
+        if ends.is_floating_point():
+            ends = ends.to(torch.bfloat16)
         h.update(f"{name}{tuple(state[name].shape)}".encode())
-        h.update(torch.cat([t[:32], t[-32:]]).float().cpu().numpy().tobytes())
+        h.update(ends.float().numpy().tobytes())
     return h.hexdigest()[:16]
 
 
@@ -112,13 +118,16 @@ class VersionStore:
                 fcntl.flock(f, fcntl.LOCK_UN)
 
     def publish(self, state: dict[str, torch.Tensor], meta: dict | None = None, adapter_writer=None,
-                expect_current: int | None | str = "any") -> int | None:
+                expect_current: int | None | str = "any", draft: str | None = None) -> int | None:
         """Write a new version and make it current; returns its number. adapter_writer(dir), if
         given, writes the LoRA adapter into the version's adapter/ folder. expect_current: publish only
-        if the current version is still this one (a candidate trained from it), else return None."""
+        if the current version is still this one (a candidate trained from it), else return None.
+        draft: the draft's fingerprint (draft_fingerprint), recorded in the same manifest write."""
         with self._locked():
             if expect_current != "any" and self.current != expect_current:
                 return None
+            if draft is not None:
+                self.manifest["draft"] = draft
             return self._publish(state, meta, adapter_writer)
 
     def _publish(self, state, meta, adapter_writer) -> int:
