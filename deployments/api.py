@@ -37,11 +37,15 @@ def engine_failed(e: BaseException | None = None) -> RequestError:
 
 def admin_error(e: Exception, param: str | None) -> RequestError:
     """An admin action the backend refused: a version that is not kept (KeyError) is a 404, a state
-    that does not allow it (no older version, distillation off) a 409. Behind Ray Serve the error comes
+    that does not allow it (no older version, distillation off) a 409, and an action that failed (an
+    update out of memory: recorded in /admin/experts' last_error too) a 500. Behind Ray Serve the error comes
     as a RayTaskError, itself a subclass of the cause's type, whose str() is the remote traceback (pids,
     addresses, paths): the answer gives the cause's own message."""
     cause = getattr(e, "cause", None)
     e = cause if isinstance(cause, Exception) else e
+    if not isinstance(e, (KeyError, ValueError)):  # the action itself failed (an update out of memory)
+        logger.error("an admin action failed: %r", e, exc_info=e)
+        return RequestError(f"the action failed: {type(e).__name__}: {e}", None, 500)
     msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
     return RequestError(str(msg), param if isinstance(e, KeyError) else None, 404 if isinstance(e, KeyError) else 409)
 
@@ -199,7 +203,7 @@ def make_app(backend, cfg: AppConfig) -> FastAPI:
         _known(expert)
         try:
             return await backend.admin_rollback(expert, to)
-        except (KeyError, ValueError) as e:
+        except Exception as e:  # noqa: BLE001  every failure answers in OpenAI's shape (admin_error)
             raise admin_error(e, "to") from None
 
     @app.post("/admin/experts/{expert}/update")
@@ -207,7 +211,7 @@ def make_app(backend, cfg: AppConfig) -> FastAPI:
         _known(expert)
         try:
             return await backend.admin_update(expert)
-        except (KeyError, ValueError) as e:
+        except Exception as e:  # noqa: BLE001
             raise admin_error(e, None) from None
 
     def _known(expert: str) -> None:

@@ -77,7 +77,7 @@ class DistillConfig(_Strict):
     max_train_workers: int = Field(4, ge=1)
     mode: Literal["full", "lora"] = "lora"
     trigger_records: int = Field(8, ge=1)
-    trigger_age_s: YamlFloat = Field(60.0, gt=0)
+    trigger_age_s: YamlFloat = Field(60.0, gt=0, allow_inf_nan=False)
     steps_per_update: int = Field(16, ge=1)
     lr: YamlFloat = Field(1e-3, gt=0, lt=1)
     # Record the target's distribution where the draft was rejected (the paper's choice), or everywhere.
@@ -96,7 +96,7 @@ class WandbConfig(_Strict):
     mode: Literal["auto", "online", "offline", "disabled"] = "auto"
     project: str = "osd-serve"
     dir: str = "~/.cache/osd-serve/wandb"
-    log_every_s: YamlFloat = Field(10.0, gt=0)
+    log_every_s: YamlFloat = Field(10.0, gt=0, allow_inf_nan=False)
 
 
 class AppConfig(_Strict):

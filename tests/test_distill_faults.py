@@ -148,3 +148,10 @@ def test_a_drafts_fingerprint_survives_a_bfloat16_load_and_is_recorded_on_an_old
     eng = SpecEngine(target, copy.deepcopy(weak), tok, EngineConfig(max_batch_size=2))
     OnlineDistiller(eng, DistillTrainer(eng.draft, TrainConfig(mode="full")), ReplayBuffer(), store)
     assert eng.draft_version == 1 and VersionStore(tmp_path).manifest["draft"] == draft_fingerprint(state)
+
+
+@pytest.mark.parametrize("age", [float("nan"), float("inf"), 0.0])
+def test_the_age_trigger_must_be_a_positive_finite_time(age):
+    """A NaN age passed the `<= 0` check (replay --trigger-age-s nan), and the age trigger never fired."""
+    with pytest.raises(ValueError, match="trigger_age_s"):
+        BufferConfig(trigger_age_s=age)

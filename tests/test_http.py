@@ -327,6 +327,10 @@ def test_config_errors_name_the_field():
     assert (cfg.distill.lr, cfg.distill.trigger_age_s, cfg.batch_wait_timeout_s) == (1e-3, 20.0, 5e-3)
     with pytest.raises(ValueError, match=r"distill\.lr"):
         parse_config({"distill": {"lr": "fast"}})
+    for args, field in (({"distill": {"trigger_age_s": "nan"}}, r"distill\.trigger_age_s"), ({"wandb": {"log_every_s": float("inf")}},
+                        r"wandb\.log_every_s")):  # NaN passed `<= 0`: the age trigger never fired
+        with pytest.raises(ValueError, match=field):
+            parse_config(args)
     for path in ("serve_config.yaml", "serve_config.disaggregated.yaml"):  # the shipped configs validate
         parse_config(yaml.safe_load((Path(__file__).resolve().parents[1] / path).read_text())["applications"][0]["args"])
 

@@ -146,6 +146,9 @@ class _ReplicaDies:
             yield {"text": "ab"[i % 2], "token_ids": [5], "finished": False, "finish_reason": None, "prompt_tokens": 1}
         raise RuntimeError("The actor died unexpectedly before finishing this task.")
 
+    async def admin_update(self, expert):
+        raise RuntimeError("CUDA out of memory (simulated)")
+
 
 @pytest.mark.parametrize("after", [0, 2])
 def test_a_backend_that_dies_mid_request_gives_the_apis_error_and_ends_the_stream(after):
@@ -156,6 +159,11 @@ def test_a_backend_that_dies_mid_request_gives_the_apis_error_and_ends_the_strea
     assert r.status_code == 500 and r.json()["error"]["type"] == "server_error", r.text
     with client.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 4, "stream": True}) as s:
         events = [ln[6:] for ln in s.iter_lines() if ln.startswith("data: ")]
+    # an admin update that fails (not refused: failed) was a text/plain 500 too
+    admin = TestClient(make_app(_ReplicaDies(after), AppConfig(wandb={"mode": "disabled"}, admin_key="adm")),
+                       raise_server_exceptions=False)
+    r = admin.post("/admin/experts/default/update", headers={"Authorization": "Bearer adm"})
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error" and "out of memory" in r.text, r.text
     if after == 0:  # nothing was sent yet: a plain 500, as for a whole completion
         assert s.status_code == 500 and not events
     else:

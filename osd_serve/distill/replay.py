@@ -7,6 +7,7 @@ is enough to rebuild a distribution for the losses in losses.py without re-runni
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections import deque
@@ -74,8 +75,9 @@ class BufferConfig:
     def __post_init__(self) -> None:
         if self.eviction not in ("fifo", "reservoir"):
             raise ValueError(f"eviction must be fifo or reservoir, got {self.eviction!r}")
-        if self.max_bytes <= 0 or self.trigger_records < 1 or self.trigger_age_s <= 0:
-            raise ValueError("max_bytes, trigger_records and trigger_age_s must be positive")
+        # not (age > 0): a NaN age passed `<= 0` and the age trigger never fired
+        if self.max_bytes <= 0 or self.trigger_records < 1 or not 0 < self.trigger_age_s < math.inf:
+            raise ValueError("max_bytes, trigger_records and trigger_age_s must be positive (and the age finite)")
 
 
 class Shard:

@@ -6,7 +6,10 @@ Layout under ``root``:
                                 the weights of version meta["adapter_base_version"] (0, the draft as
                                 configured, until a rollback puts a fresh LoRA on a later version)
     v000003/meta.json           guard numbers, losses, trigger, time
-    manifest.json               {"current": 3, "versions": [1, 2, 3], "parents": {"3": 2, ...}}
+    manifest.json               {"current": 3, "versions": [1, 2, 3], "parents": {"3": 2, ...},
+                                 "draft": the fingerprint of the draft version 0 was (draft_fingerprint)}
+A replica's private stores live under versions_dir/replicas/slot-N/<expert>, a slot it holds by a
+lock on slot-N/.owner while it lives (claim_slot).
 A version's parent is the one current when it was published (what it was trained from): the
 default rollback goes back to it, and pruning keeps it.
 A version directory is written under a temporary name and renamed into place, and the manifest is
