@@ -8,7 +8,6 @@ import hashlib
 import json
 import os
 import random
-import re
 import sysconfig
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
