@@ -10,7 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from tests.conftest import llama, perturbed
+from tests.conftest import perturbed
+from tests.test_distill import _prompts, models  # noqa: F401  (models: the same target and weak draft fixture)
 
 from osd_serve.config import EngineConfig, SamplingParams
 from osd_serve.distill.guard import GuardConfig
@@ -22,17 +23,6 @@ from osd_serve.distill.versions import VersionStore, draft_fingerprint
 from osd_serve.engine import SpecEngine
 
 SP = SamplingParams(max_tokens=12, num_speculative_tokens=3)
-
-
-def _prompts(vocab, n, seed):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(rng.randint(2, 10))] for _ in range(n)]
-
-
-@pytest.fixture(scope="module")
-def models(tok):
-    target = llama(len(tok), seed=0)
-    return target, perturbed(target, 0.2)
 
 
 def _distiller(models, tok, steps=4, record=None):
