@@ -1,4 +1,5 @@
-"""A larger random-weight (target, draft) pair for the GPU engine bench (issue 2).
+"""A larger random-weight (target, draft) pair for the engine bench (issue 2): the GPU's, and on the CPU
+a target past the cache (benchmarks/run_engine_bench.sh's big_random_pair).
 
 Speed depends on sizes and acceptance, not on what the weights know, so random weights are fine for
 speed (the issue allows them). Defaults are TinyLlama-1.1B's shape. The draft is a layer-skip draft:

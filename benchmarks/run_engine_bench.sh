@@ -8,6 +8,11 @@
 # (0.74-0.86x fp32), about even (0.85-1.00x) once the target's linears were prepacked (kernels/
 # cpu_linear.py), and 0.74-0.83x at the best k once fp32's few-row calls went to kernels/cpu_skinny.cpp; each
 # report records its CPU (benchmarks/ENGINE.md). DTYPES="float32" (or "bfloat16") runs one only.
+# A third pair, big_random_pair, asks whether the engine's shortfalls come from the pairs' size: a
+# 189M-parameter target (755 MB in float32, past this host's 260 MB L3, so a decode step streams its
+# weights from memory) with random weights and a 2-layer layer-skip draft (benchmarks/gpu_pair.py;
+# speed depends on sizes and acceptance, not on what the weights know); float32 only, 8 prompts and
+# k <= 4, ~9 minutes on 2 cores. PAIRS="default data big" (the default) picks which pairs run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 D=${OSD_DATASETS:-../shared/datasets}
@@ -26,9 +31,22 @@ bench_pair() {  # NAME PAIR_JSON
     osd-serve bench --target "$t" --draft "$d" --dtype "$dt" --threads 2 --repeats 3 --out "$out/engine_$1$suffix.json" >/dev/null
   done
 }
-bench_pair default_pair "$(osd-serve bootstrap | tail -n 1)"
-if [ -d "$D" ]; then
+PAIRS=${PAIRS:-default data big}
+if [[ " $PAIRS " == *" default "* ]]; then
+  bench_pair default_pair "$(osd-serve bootstrap | tail -n 1)"
+fi
+if [[ " $PAIRS " == *" data "* && -d "$D" ]]; then
   bench_pair data_pair "$(osd-serve bootstrap --data "$D/gsm8k/train.jsonl" "$D/spider/train_spider.json" "$D/mbpp/mbpp.jsonl" | tail -n 1)"
+fi
+if [[ " $PAIRS " == *" big "* ]]; then
+  big=${OSD_BIG_PAIR:-$HOME/.cache/osd-serve/big-random-pair}
+  if [ ! -f "$big/prompts.jsonl" ]; then
+    rm -rf "$big"
+    python benchmarks/gpu_pair.py --out "$big" --hidden 1024 --layers 16 --intermediate 2816 --heads 16 --kv-heads 4 \
+      --draft-layers 2 --vocab 4096 --dtype float32 --deep-scale 0.02 >/dev/null
+  fi
+  osd-serve bench --target "$big/target" --draft "$big/draft" --dtype float32 --threads 2 --num-prompts 8 --max-k 4 \
+    --repeats 3 --out "$out/engine_big_random_pair.json" >/dev/null
 fi
 {
   printf '# Engine benchmark (issue 2)\n\nRegenerate with `bash benchmarks/run_engine_bench.sh` (builds the pairs if needed; the data pair\n'
