@@ -5,11 +5,13 @@ Backend:
     async stream(expert, prompt, params) -> async iterator of dicts
         {"text", "token_ids", "finished", "finish_reason", "prompt_tokens"}; raises ValueError on bad input
     experts() -> list[str]
+    async ready() -> None; raises (or never returns) while the engine behind it cannot serve: /health
     async admin_experts(), admin_metrics(), admin_rollback(expert, to), admin_update(expert) -> dict
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import uuid
@@ -25,6 +27,8 @@ from .config import AppConfig
 
 
 logger = logging.getLogger(__name__)
+
+HEALTH_TIMEOUT_S = 5.0  # /health waits this long for the engine to answer
 
 
 def engine_failed(e: BaseException | None = None) -> RequestError:
@@ -98,6 +102,14 @@ def make_app(backend, cfg: AppConfig) -> FastAPI:
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
+        # Readiness, for a load balancer: 200 once the engine behind this router can serve. It answered
+        # 200 as soon as the router was up, also while the engine replica was loading or failing to
+        # start, and the load balancer then sent traffic that got 503s.
+        try:
+            await asyncio.wait_for(backend.ready(), HEALTH_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001  whatever failed (no replica, a dead one), this router cannot serve
+            why = f"the engine did not answer within {HEALTH_TIMEOUT_S:g} s" if isinstance(e, TimeoutError) else f"{type(e).__name__}: {e}"
+            return JSONResponse({"status": "unavailable", "error": why}, 503)
         return {"status": "ok"}
 
     @app.get("/v1/models")

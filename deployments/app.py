@@ -10,6 +10,7 @@ Two deployments, both thin:
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import asdict
 
 from ray import serve
@@ -79,6 +80,19 @@ class SpecServer:
             svc.close()
 
 
+def require_running(deployments: list[str]) -> None:
+    """Raises unless each of these deployments of this replica's app has a running replica, by the
+    Serve controller's count. Not by calling one: a replica at max_ongoing_requests would queue the
+    call, and /health would read a loaded server as down (on every router at once)."""
+    app = serve.get_replica_context().app_name
+    status = serve.status().applications.get(app)
+    for name in deployments:
+        d = status.deployments.get(name) if status else None
+        if d is None or not d.replica_states.get("RUNNING"):
+            why = f"{d.status}{': ' + d.message if d.message else ''}" if d else "not deployed"
+            raise RuntimeError(f"{name} has no running replica ({why})")
+
+
 class _HandleBackend:
     """The api.py backend interface over a SpecServer deployment handle."""
 
@@ -96,6 +110,9 @@ class _HandleBackend:
 
     def experts(self) -> list[str]:
         return self._experts
+
+    async def ready(self) -> None:
+        await asyncio.to_thread(require_running, ["SpecServer"])
 
     async def stream(self, expert: str, prompt, params: SamplingParams):
         payload = {"expert": expert, "prompt": prompt, "params": asdict(params)}

@@ -125,6 +125,11 @@ class SpecService:
     def experts(self) -> list[str]:
         return list(self.server.engines)
 
+    async def ready(self) -> None:
+        """Raises unless the engine loop runs (what /health reports)."""
+        if not self.server.alive():
+            raise RuntimeError("the engine loop is not running")
+
     async def stream(self, expert: str, prompt, params: SamplingParams) -> AsyncIterator[dict]:
         """prompt: text, token ids, or chat messages [{"role", "content"}] (rendered here)."""
         t0 = time.perf_counter()

@@ -102,6 +102,10 @@ class AsyncSpecServer:
         self._inbox.put(("abort", request_id))
         self._wake.set()
 
+    def alive(self) -> bool:
+        """The loop thread runs and was not told to stop (no step's failure ends it)."""
+        return self._thread.is_alive() and not self._stop.is_set()
+
     def close(self) -> None:
         self._stop.set()
         self._wake.set()

@@ -137,6 +137,76 @@ def test_the_router_sets_up_once_off_its_event_loop(monkeypatch):
     assert backend.drafts == ("DraftPool", "app") and backend.verifier == ("Verifier", "app")
 
 
+def test_health_sets_the_router_up_and_needs_both_deployments_running(tok, monkeypatch):
+    """/health is what a load balancer waits on before sending requests, so it sets up (a check that
+    times out leaves the set-up running; a failed one runs again) and then needs a running DraftPool
+    and Verifier replica."""
+    pytest.importorskip("ray.serve")
+    import time
+    from types import SimpleNamespace
+
+    import deployments.disagg as dd
+    from deployments.config import AppConfig
+
+    asked = []
+    monkeypatch.setattr(dd, "require_running", asked.append)
+    ready, _, _ = _backend(tok, AppConfig())
+    asyncio.run(ready.ready())
+    assert asked == [["DraftPool", "Verifier"]]
+
+    loads = []
+
+    def load(self):
+        loads.append(1)
+        time.sleep(0.3)
+        if len(loads) == 1:
+            raise OSError("no such model (simulated)")
+
+    monkeypatch.setattr(dd.DisaggBackend, "_load", load)
+    monkeypatch.setattr(dd.serve, "get_replica_context", lambda: SimpleNamespace(app_name="app"))
+    monkeypatch.setattr(dd.serve, "get_deployment_handle", lambda name, app: (name, app))
+    backend = dd.DisaggBackend(AppConfig())
+
+    async def run():
+        with pytest.raises(OSError, match="no such model"):
+            await backend.ready()
+        with pytest.raises(TimeoutError):  # the second set-up takes longer than this check waits
+            await asyncio.wait_for(backend.ready(), 0.05)
+        await backend.ready()  # the same set-up, finished: no third load
+
+    asyncio.run(run())
+    assert loads == [1, 1] and backend._ready and len(asked) == 2
+
+
+def test_require_running_reads_the_controllers_replica_count(monkeypatch):
+    """Not a call to a replica: one at max_ongoing_requests would queue it, and every router would
+    report a merely loaded server as down."""
+    pytest.importorskip("ray.serve")
+    from types import SimpleNamespace
+
+    import deployments.app as app
+
+    def status(**deps):
+        d = {name: SimpleNamespace(status=st, message=msg, replica_states=states) for name, (st, msg, states) in deps.items()}
+        return SimpleNamespace(applications={"osd": SimpleNamespace(deployments=d)})
+
+    monkeypatch.setattr(app.serve, "get_replica_context", lambda: SimpleNamespace(app_name="osd"))
+    now = {}
+    monkeypatch.setattr(app.serve, "status", lambda: now["status"])
+    now["status"] = status(SpecServer=("HEALTHY", "", {"RUNNING": 2}))
+    app.require_running(["SpecServer"])
+    now["status"] = status(SpecServer=("DEPLOY_FAILED", "replica failed to start: OSError", {"STARTING": 1}))
+    with pytest.raises(RuntimeError, match="SpecServer has no running replica .DEPLOY_FAILED: replica failed to start"):
+        app.require_running(["SpecServer"])
+    now["status"] = status(DraftPool=("UPDATING", "", {"STARTING": 1, "RUNNING": 1}))
+    app.require_running(["DraftPool"])  # one replica serves while another starts
+    with pytest.raises(RuntimeError, match="Verifier has no running replica .not deployed"):
+        app.require_running(["DraftPool", "Verifier"])
+    now["status"] = SimpleNamespace(applications={})
+    with pytest.raises(RuntimeError, match="not deployed"):
+        app.require_running(["SpecServer"])
+
+
 def test_a_failed_step_ends_the_request_with_the_apis_error(tok):
     """A verify call that raised (a replica died, a batch failed) escaped the backend: a bare text 500,
     or a stream cut off with no error event and no [DONE]. Now it ends as a colocated failure does."""

@@ -146,6 +146,9 @@ class _ReplicaDies:
             yield {"text": "ab"[i % 2], "token_ids": [5], "finished": False, "finish_reason": None, "prompt_tokens": 1}
         raise RuntimeError("The actor died unexpectedly before finishing this task.")
 
+    async def ready(self):
+        return None
+
     async def admin_update(self, expert):
         raise RuntimeError("CUDA out of memory (simulated)")
 
@@ -169,3 +172,44 @@ def test_a_backend_that_dies_mid_request_gives_the_apis_error_and_ends_the_strea
     else:
         assert s.status_code == 200 and events[-1] == "[DONE]" and json.loads(events[-2])["error"]["type"] == "server_error"
         assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-2]) == "ab"
+
+
+class _Unready:
+    """A backend whose engine never answers (no replica yet, or one failing to start) or fails to."""
+
+    def __init__(self, fail: bool):
+        self.fail = fail
+
+    def experts(self):
+        return ["default"]
+
+    async def ready(self):
+        if self.fail:
+            raise RuntimeError("The actor died unexpectedly before finishing this task.")
+        await asyncio.Event().wait()
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_health_is_503_while_the_engine_cannot_serve(fail, monkeypatch):
+    """/health answered 200 as soon as the router was up, also while the engine replica was loading or
+    failing to start; a load balancer then sent traffic there that got 503s."""
+    import deployments.api as api
+
+    monkeypatch.setattr(api, "HEALTH_TIMEOUT_S", 0.2)
+    client = TestClient(make_app(_Unready(fail), AppConfig(wandb={"mode": "disabled"}, api_key="sk")))
+    for r in (client.get("/health"), client.head("/health")):
+        assert r.status_code == 503, r.text
+    body = client.get("/health").json()
+    assert body["status"] == "unavailable"
+    assert ("actor died" in body["error"]) if fail else ("did not answer within 0.2 s" in body["error"]), body
+
+
+def test_health_follows_the_engine_loop(tok):
+    target = llama(len(tok), seed=3)
+    cfg = AppConfig(distill={"enabled": False}, wandb={"mode": "disabled"})
+    svc = SpecService(cfg, models=(target, perturbed(target, 0.05), tok))
+    client = TestClient(make_app(svc, cfg))
+    assert client.get("/health").json() == {"status": "ok"}
+    svc.close()
+    r = client.get("/health")
+    assert r.status_code == 503 and "engine loop is not running" in r.json()["error"], r.text
