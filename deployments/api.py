@@ -5,7 +5,8 @@ Backend:
     async stream(expert, prompt, params) -> async iterator of dicts
         {"text", "token_ids", "finished", "finish_reason", "prompt_tokens"}; raises ValueError on bad input
     experts() -> list[str]
-    async ready() -> None; raises (or never returns) while the engine behind it cannot serve: /health
+    async ready() -> str | None; raises (or never returns) while the engine behind it cannot serve, else
+        returns None or a warning: /health
     async admin_experts(), admin_metrics(), admin_rollback(expert, to), admin_update(expert) -> dict
 """
 
@@ -28,7 +29,7 @@ from .config import AppConfig
 
 logger = logging.getLogger(__name__)
 
-HEALTH_TIMEOUT_S = 5.0  # /health waits this long for the engine to answer
+HEALTH_TIMEOUT_S = 5.0  # /health waits this long for the backend's readiness check
 
 
 def engine_failed(e: BaseException | None = None) -> RequestError:
@@ -106,11 +107,12 @@ def make_app(backend, cfg: AppConfig) -> FastAPI:
         # 200 as soon as the router was up, also while the engine replica was loading or failing to
         # start, and the load balancer then sent traffic that got 503s.
         try:
-            await asyncio.wait_for(backend.ready(), HEALTH_TIMEOUT_S)
+            warning = await asyncio.wait_for(backend.ready(), HEALTH_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001  whatever failed (no replica, a dead one), this router cannot serve
-            why = f"the engine did not answer within {HEALTH_TIMEOUT_S:g} s" if isinstance(e, TimeoutError) else f"{type(e).__name__}: {e}"
+            why = (f"the readiness check did not finish within {HEALTH_TIMEOUT_S:g} s" if isinstance(e, TimeoutError)
+                   else f"{type(e).__name__}: {e}")
             return JSONResponse({"status": "unavailable", "error": why}, 503)
-        return {"status": "ok"}
+        return {"status": "ok"} | ({"warning": warning} if warning else {})
 
     @app.get("/v1/models")
     async def models():

@@ -11,6 +11,8 @@ Two deployments, both thin:
 from __future__ import annotations
 
 import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 
 from ray import serve
@@ -80,17 +82,69 @@ class SpecServer:
             svc.close()
 
 
-def require_running(deployments: list[str]) -> None:
-    """Raises unless each of these deployments of this replica's app has a running replica, by the
-    Serve controller's count. Not by calling one: a replica at max_ongoing_requests would queue the
-    call, and /health would read a loaded server as down (on every router at once)."""
+def not_running(deployments: list[str]) -> str | None:
+    """Why one of these deployments of this replica's app has no running replica, by the Serve
+    controller's count, or None when each has one."""
     app = serve.get_replica_context().app_name
     status = serve.status().applications.get(app)
     for name in deployments:
         d = status.deployments.get(name) if status else None
         if d is None or not d.replica_states.get("RUNNING"):
-            why = f"{d.status}{': ' + d.message if d.message else ''}" if d else "not deployed"
-            raise RuntimeError(f"{name} has no running replica ({why})")
+            if d is None:
+                return f"{name} has no running replica (not deployed)"
+            state = getattr(d.status, "value", d.status)  # DeploymentStatus.UPDATING -> UPDATING
+            return f"{name} has no running replica ({state}{': ' + d.message if d.message else ''})"
+    return None
+
+
+class Readiness:
+    """/health's answer: whether the deployments behind a router have a running replica, by the Serve
+    controller's count, not by calling a replica (one at max_ongoing_requests would queue the call,
+    and every router would read a loaded server as down at once).
+
+    The controller is asked by one call at a time, on a thread of its own, at most every REFRESH_S;
+    checks in between read the last answer. Asked per check, on the replica's shared thread pool, a
+    slow controller left a blocked thread behind every probe, which starved the disaggregated router's
+    prompt encoding (its completions hung) and marked every router down at the same moment although
+    serving goes on without the controller. So while a call is outstanding the last answer stands;
+    past GRACE_S it comes with a warning (for monitoring), not a 503 that would take every router
+    out of the load balancer while requests are still served."""
+
+    REFRESH_S = 1.0
+    GRACE_S = 30.0
+
+    def __init__(self, deployments: list[str]):
+        self.deployments = deployments
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="osd-readiness")
+        self._pending: asyncio.Future | None = None
+        self._answer: str | None = None  # the last answer: None, or why not ready
+        self._answered_at: float | None = None  # time.monotonic() of it
+        self._failure: str | None = None  # the last call's error, if it raised
+
+    def _settle(self, fut: asyncio.Future) -> None:
+        self._pending = None
+        if fut.exception() is not None:
+            self._failure = f"{type(fut.exception()).__name__}: {fut.exception()}"
+        else:
+            self._answer, self._answered_at, self._failure = fut.result(), time.monotonic(), None
+
+    async def check(self) -> str | None:
+        """Raises RuntimeError(why) unless ready; waits only for the first answer. Returns a warning
+        when that answer is older than GRACE_S."""
+        now = time.monotonic()
+        if self._pending is None and (self._answered_at is None or now - self._answered_at >= self.REFRESH_S):
+            self._pending = asyncio.get_running_loop().run_in_executor(self._pool, not_running, self.deployments)
+            self._pending.add_done_callback(self._settle)
+        if self._answered_at is None:  # nothing known yet (the caller bounds this wait)
+            await asyncio.shield(self._pending)
+        if self._answered_at is None:
+            raise RuntimeError(f"the Serve controller's status failed: {self._failure}")
+        if self._answer is not None:
+            raise RuntimeError(self._answer)
+        age = time.monotonic() - self._answered_at
+        if age > self.GRACE_S:
+            return f"the Serve controller has not answered for {age:.0f} s" + (f" ({self._failure})" if self._failure else "")
+        return None
 
 
 class _HandleBackend:
@@ -99,6 +153,7 @@ class _HandleBackend:
     def __init__(self, experts: list[str]):
         self._experts = experts
         self._handle: DeploymentHandle | None = None
+        self._readiness: Readiness | None = None
 
     @property
     def handle(self) -> DeploymentHandle:
@@ -111,8 +166,10 @@ class _HandleBackend:
     def experts(self) -> list[str]:
         return self._experts
 
-    async def ready(self) -> None:
-        await asyncio.to_thread(require_running, ["SpecServer"])
+    async def ready(self) -> str | None:
+        if self._readiness is None:  # made in the replica: a thread pool does not pickle
+            self._readiness = Readiness(["SpecServer"])
+        return await self._readiness.check()
 
     async def stream(self, expert: str, prompt, params: SamplingParams):
         payload = {"expert": expert, "prompt": prompt, "params": asdict(params)}

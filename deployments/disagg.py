@@ -33,7 +33,7 @@ from osd_serve.disagg import DraftWorker, ProposeItem, Proposal, TargetVerifier,
 from osd_serve.distill.versions import VersionStore
 from osd_serve.output import Request
 
-from .app import require_running
+from .app import Readiness
 from .config import AppConfig
 
 IDLE_SEQUENCE_S = 600.0  # see Verifier._forget_idle
@@ -216,6 +216,7 @@ class DisaggBackend:
         self._ready = False
         self._setup_lock: asyncio.Lock | None = None
         self._setup_task: asyncio.Future | None = None  # /health's set-up, which outlives a check that times out
+        self._readiness: Readiness | None = None
         self._releasing: set[asyncio.Task] = set()
 
     async def _ensure_ready(self) -> None:
@@ -252,14 +253,16 @@ class DisaggBackend:
     def experts(self) -> list[str]:
         return [e.name for e in self.cfg.experts]
 
-    async def ready(self) -> None:
+    async def ready(self) -> str | None:
         # /health sets up too: a load balancer sends no request until this router reports ready. The
         # set-up runs as its own task, so a check that times out leaves it going; a failed one reruns.
         if not self._ready:
             if self._setup_task is None or self._setup_task.done():
                 self._setup_task = asyncio.ensure_future(self._ensure_ready())
             await asyncio.shield(self._setup_task)
-        await asyncio.to_thread(require_running, ["DraftPool", "Verifier"])
+        if self._readiness is None:  # made in the replica: a thread pool does not pickle
+            self._readiness = Readiness(["DraftPool", "Verifier"])
+        return await self._readiness.check()
 
     async def stream(self, expert: str, prompt, params: SamplingParams):
         from osd_serve.protocol import prepare_prompt

@@ -126,7 +126,7 @@ class SpecService:
         return list(self.server.engines)
 
     async def ready(self) -> None:
-        """Raises unless the engine loop runs (what /health reports)."""
+        """Raises unless the engine loop runs (what /health reports); no warnings to give."""
         if not self.server.alive():
             raise RuntimeError("the engine loop is not running")
 

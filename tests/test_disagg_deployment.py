@@ -149,7 +149,15 @@ def test_health_sets_the_router_up_and_needs_both_deployments_running(tok, monke
     from deployments.config import AppConfig
 
     asked = []
-    monkeypatch.setattr(dd, "require_running", asked.append)
+
+    class Readiness:  # the controller's count, as asked for
+        def __init__(self, deployments):
+            self.deployments = deployments
+
+        async def check(self):
+            asked.append(self.deployments)
+
+    monkeypatch.setattr(dd, "Readiness", Readiness)
     ready, _, _ = _backend(tok, AppConfig())
     asyncio.run(ready.ready())
     assert asked == [["DraftPool", "Verifier"]]
@@ -178,11 +186,18 @@ def test_health_sets_the_router_up_and_needs_both_deployments_running(tok, monke
     assert loads == [1, 1] and backend._ready and len(asked) == 2
 
 
-def test_require_running_reads_the_controllers_replica_count(monkeypatch):
+def test_readiness_reads_the_controllers_replica_count_one_call_at_a_time(monkeypatch):
     """Not a call to a replica: one at max_ongoing_requests would queue it, and every router would
-    report a merely loaded server as down."""
+    report a merely loaded server as down. And not one controller call per probe on the replica's
+    shared threads: with the controller slow, each probe left a blocked thread behind, the disaggregated
+    router's prompt encoding starved (its completions hung) and every router read as down at once."""
     pytest.importorskip("ray.serve")
+    import re
+    import threading
+    import time
     from types import SimpleNamespace
+
+    from ray.serve._private.common import DeploymentStatus
 
     import deployments.app as app
 
@@ -190,21 +205,63 @@ def test_require_running_reads_the_controllers_replica_count(monkeypatch):
         d = {name: SimpleNamespace(status=st, message=msg, replica_states=states) for name, (st, msg, states) in deps.items()}
         return SimpleNamespace(applications={"osd": SimpleNamespace(deployments=d)})
 
+    calls, now, gate = [], {}, threading.Event()
+    gate.set()
+
+    def serve_status():
+        calls.append(threading.current_thread().name)
+        gate.wait()
+        return now["status"]
+
     monkeypatch.setattr(app.serve, "get_replica_context", lambda: SimpleNamespace(app_name="osd"))
-    now = {}
-    monkeypatch.setattr(app.serve, "status", lambda: now["status"])
-    now["status"] = status(SpecServer=("HEALTHY", "", {"RUNNING": 2}))
-    app.require_running(["SpecServer"])
-    now["status"] = status(SpecServer=("DEPLOY_FAILED", "replica failed to start: OSError", {"STARTING": 1}))
-    with pytest.raises(RuntimeError, match="SpecServer has no running replica .DEPLOY_FAILED: replica failed to start"):
-        app.require_running(["SpecServer"])
-    now["status"] = status(DraftPool=("UPDATING", "", {"STARTING": 1, "RUNNING": 1}))
-    app.require_running(["DraftPool"])  # one replica serves while another starts
-    with pytest.raises(RuntimeError, match="Verifier has no running replica .not deployed"):
-        app.require_running(["DraftPool", "Verifier"])
-    now["status"] = SimpleNamespace(applications={})
-    with pytest.raises(RuntimeError, match="not deployed"):
-        app.require_running(["SpecServer"])
+    monkeypatch.setattr(app.serve, "status", serve_status)
+    monkeypatch.setattr(app.Readiness, "REFRESH_S", 0.0)
+    monkeypatch.setattr(app.Readiness, "GRACE_S", 1.0)
+
+    async def first_answer():
+        r = app.Readiness(["SpecServer"])
+        now["status"] = status(SpecServer=(DeploymentStatus.DEPLOY_FAILED, "replica failed to start: OSError", {"STARTING": 1}))
+        with pytest.raises(RuntimeError, match=r"^SpecServer has no running replica \(DEPLOY_FAILED: replica failed to start"):
+            await r.check()  # the first check waits for the controller's answer
+        now["status"] = status(SpecServer=(DeploymentStatus.HEALTHY, "", {"RUNNING": 2}))
+        await _until_ready(r)  # later ones read the last answer, refreshed behind them
+
+    asyncio.run(first_answer())
+
+    async def slow_controller():
+        r = app.Readiness(["DraftPool", "Verifier"])
+        now["status"] = status(DraftPool=(DeploymentStatus.UPDATING, "", {"STARTING": 1, "RUNNING": 1}))
+        with pytest.raises(RuntimeError, match=r"^Verifier has no running replica \(not deployed\)"):
+            await r.check()
+        now["status"] = status(DraftPool=(DeploymentStatus.HEALTHY, "", {"RUNNING": 1}),
+                               Verifier=(DeploymentStatus.UPDATING, "", {"STARTING": 1, "RUNNING": 1}))
+        await asyncio.sleep(0.01)
+        await _until_ready(r)
+        gate.clear()  # the controller stops answering
+        n = len(calls)
+        t0 = time.monotonic()
+        for _ in range(20):  # probes keep the last answer, none waits, one call is outstanding
+            assert await r.check() is None
+            await asyncio.sleep(0.005)
+        assert time.monotonic() - t0 < 0.9 and len(calls) == n + 1
+        await asyncio.sleep(1.0)
+        # past GRACE_S: still the last answer (serving goes on without the controller), with a warning
+        assert re.fullmatch(r"the Serve controller has not answered for \d+ s", await r.check())
+        gate.set()
+        await asyncio.sleep(0.05)
+        await _until_ready(r)
+        assert set(calls) == {"osd-readiness_0"}  # its own thread, never the replica's shared pool
+
+    asyncio.run(slow_controller())
+
+
+async def _until_ready(r, tries: int = 50):
+    for _ in range(tries):
+        try:
+            return await r.check()
+        except RuntimeError:
+            await asyncio.sleep(0.01)
+    await r.check()
 
 
 def test_a_failed_step_ends_the_request_with_the_apis_error(tok):

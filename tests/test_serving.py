@@ -201,7 +201,7 @@ def test_health_is_503_while_the_engine_cannot_serve(fail, monkeypatch):
         assert r.status_code == 503, r.text
     body = client.get("/health").json()
     assert body["status"] == "unavailable"
-    assert ("actor died" in body["error"]) if fail else ("did not answer within 0.2 s" in body["error"]), body
+    assert ("actor died" in body["error"]) if fail else ("did not finish within 0.2 s" in body["error"]), body
 
 
 def test_health_follows_the_engine_loop(tok):
