@@ -1,6 +1,7 @@
 """PyTorch's ``F.linear`` (MKL sgemm for float32) against oneDNN on a prepacked weight and, for
 float32 on AVX-512, kernels/cpu_skinny.cpp (kernels/cpu_linear.py), per weight matrix and row count,
-and then one whole target forward plain, with ``pack_linears(skinny=False)`` (the libraries) and with
+then every linear of a target through the kernel in turn (its weights streamed as in a forward), and
+one whole target forward plain, with ``pack_linears(skinny=False)`` (the libraries) and with
 ``pack_linears`` (the libraries and the kernel) at the row counts a decode step (k=0) and a verification (k+1 tokens per
 row) have. Interleaved rounds, medians: the ratios are the point, not the absolute times.
 
@@ -95,6 +96,28 @@ def _forwards(models: dict, n: int, dtype, batches, tokens, context: int, rounds
                                 if "kernel" in us else {})), flush=True)
 
 
+@torch.inference_mode()
+def streamed(path: str, rows, rounds: int) -> None:
+    """Every linear weight of a model through kernels/cpu_skinny.cpp in turn, as a forward meets them:
+    a model past the CPU's cache streams its weights from memory on each pass, which one matrix in a
+    loop (the matrix table) never does."""
+    kernel = skinny_kernel()
+    if kernel is None:
+        return
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ws = [m.weight.detach().contiguous() for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    mb = sum(w.numel() for w in ws) * 4 / 2**20
+    base = None
+    for m in rows:
+        if m > SKINNY_MAX_ROWS:
+            continue
+        xs = {w.shape[1]: torch.randn(m, w.shape[1]) for w in ws}
+        us = _median_us({"kernel": lambda: [kernel(xs[w.shape[1]], w) for w in ws]}, rounds)["kernel"]
+        base = base or us
+        print(json.dumps({"kind": "streamed", "weights_mb": round(mb), "rows": m, "kernel_ms": round(us / 1e3, 2),
+                          "over_first_rows": round(us / base, 2)}), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="a target directory; without it only the matrix table runs")
@@ -113,6 +136,8 @@ def main() -> None:
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
     matrices(shapes, args.rows, dtypes, args.rounds)
     if args.model:
+        if torch.float32 in dtypes:
+            streamed(args.model, args.rows, args.rounds)
         forwards(args.model, args.batch, args.tokens, dtypes, args.context, args.rounds)
 
 

@@ -64,9 +64,9 @@ fi
   printf 'step streams the weights from memory (~28 GB/s), but two cores multiply at ~200 GFLOP/s: 7 FLOP per byte, so\n'
   printf 'from ~14 rows of float32 on, the FMAs and not the memory bound a step. Batch 1 (k+1 <= 5 rows) stays under\n'
   printf 'that: v 1.07-1.20 and measured/analytic 0.75-0.85, as for the default pair; batch 8 (16-40 rows) is past it:\n'
-  printf 'v 1.31-2.19 and (c)/(a) 1.05-1.08. Its linears of 8 rows cost 1.12x those of 1 row since kernels/cpu_skinny.cpp\n'
-  printf 'streams the next weight block during a block'"'"'s later tiles (1.48x before), which sped up the target alone at\n'
-  printf 'batch 8 as much as the engine. A GPU is the machine speculation is built for: an H200 reads 4.8 TB/s against\n'
+  printf 'v 1.31-2.19 and (c)/(a) 1.05-1.08. Its linears of 8 rows cost 1.24x those of 1 row since kernels/cpu_skinny.cpp\n'
+  printf 'streams the next weight block during a block'"'"'s later tiles (1.50x before; results/cpu_linear_big_random.jsonl),\n'
+  printf 'which sped up the target alone at batch 8 more than the engine. A GPU is the machine speculation is built for: an H200 reads 4.8 TB/s against\n'
   printf '~990 TFLOP/s of bf16, ~200 FLOP per byte, and there measured/analytic is 0.94-0.99 at batch 1 (GPU.md).\n\n'
   python -m osd_serve.bench "$out"/engine_*.json
 } | tee benchmarks/ENGINE.md

@@ -11,9 +11,11 @@
 // are in flight while the FMAs run, and used from cache for every 6-row tile of x (from L1 while 4 rows
 // of K floats fit, K <= ~3000; from L2 beyond); the blocks are split over ATen's own thread pool.
 // The tiles after a block's first (7+ rows) also prefetch the next block into L2, spread over them: without
-// that, memory sat idle while they ran, and over a 189M-parameter target streamed from DRAM the linears
-// of 8 rows cost 1.48x those of 1 row (12 rows 1.55x, 16 rows 1.82x); with it 1.12x (1.22x, 1.39x).
-// A target that sits in L3 (the 30M default) is bound by the FMAs there and gains 5-8% at 8-24 rows.
+// that, memory sat idle while they ran. Over a 189M-parameter target streamed from DRAM, its linears in
+// forward order of 8 rows cost 1.50x those of 1 row before and 1.24x with it (16 rows 1.87x -> 1.55x,
+// 32 rows 3.19x -> 2.56x; benchmarks/cpu_linear.py, results/cpu_linear_big_random.jsonl), and a whole
+// batch-8 forward 6-13% less; 1-6 rows take the same code as before. A target that sits in L3 (the 30M
+// default) is bound by the FMAs there and gains 5-8% at 8-24 rows.
 //
 // Every output element is summed in the same order whatever M is (16 lanes along K, then one fixed
 // horizontal reduction), so a row's result does not depend on which other rows share the call: a
