@@ -103,7 +103,7 @@ class Readiness:
     and every router would read a loaded server as down at once).
 
     The controller is asked by one call at a time, on a thread of its own, at most every REFRESH_S;
-    checks in between read the last answer. Asked per check, on the replica's shared thread pool, a
+    checks within REFRESH_S of an answer read it. Asked per check, on the replica's shared thread pool, a
     slow controller left a blocked thread behind every probe, which starved the disaggregated router's
     prompt encoding (its completions hung) and marked every router down at the same moment although
     serving goes on without the controller. So while a call is outstanding the last answer stands;
@@ -116,27 +116,31 @@ class Readiness:
     def __init__(self, deployments: list[str]):
         self.deployments = deployments
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="osd-readiness")
-        self._pending: asyncio.Future | None = None
+        self._pending: asyncio.Task | None = None  # the one outstanding controller call
         self._answer: str | None = None  # the last answer: None, or why not ready
         self._answered_at: float | None = None  # time.monotonic() of it
         self._failure: str | None = None  # the last call's error, if it raised
 
-    def _settle(self, fut: asyncio.Future) -> None:
-        self._pending = None
-        if fut.exception() is not None:
-            self._failure = f"{type(fut.exception()).__name__}: {fut.exception()}"
+    async def _refresh(self) -> None:
+        # The state is settled here, before the task completes: whoever awaits it sees the answer.
+        try:
+            answer = await asyncio.get_running_loop().run_in_executor(self._pool, not_running, self.deployments)
+        except Exception as e:  # noqa: BLE001  the controller's failure is reported, not raised into the loop
+            self._failure = f"{type(e).__name__}: {e}"
         else:
-            self._answer, self._answered_at, self._failure = fut.result(), time.monotonic(), None
+            self._answer, self._answered_at, self._failure = answer, time.monotonic(), None
+        finally:
+            self._pending = None
 
     async def check(self) -> str | None:
-        """Raises RuntimeError(why) unless ready; waits only for the first answer. Returns a warning
-        when that answer is older than GRACE_S."""
-        now = time.monotonic()
-        if self._pending is None and (self._answered_at is None or now - self._answered_at >= self.REFRESH_S):
-            self._pending = asyncio.get_running_loop().run_in_executor(self._pool, not_running, self.deployments)
-            self._pending.add_done_callback(self._settle)
-        if self._answered_at is None:  # nothing known yet (the caller bounds this wait)
-            await asyncio.shield(self._pending)
+        """Raises RuntimeError(why) unless ready, else returns None or a warning. An answer older than
+        REFRESH_S is refreshed, and the check waits up to REFRESH_S for that (for the first answer, as
+        long as the caller lets it), so a probe sees the controller's state at the probe, not at the
+        probe before."""
+        if self._pending is None and (self._answered_at is None or time.monotonic() - self._answered_at >= self.REFRESH_S):
+            self._pending = asyncio.ensure_future(self._refresh())
+        if self._pending is not None:  # not cancelled with this check: asyncio.wait leaves it running
+            await asyncio.wait({self._pending}, timeout=None if self._answered_at is None else self.REFRESH_S)
         if self._answered_at is None:
             raise RuntimeError(f"the Serve controller's status failed: {self._failure}")
         if self._answer is not None:

@@ -194,7 +194,6 @@ def test_readiness_reads_the_controllers_replica_count_one_call_at_a_time(monkey
     pytest.importorskip("ray.serve")
     import re
     import threading
-    import time
     from types import SimpleNamespace
 
     from ray.serve._private.common import DeploymentStatus
@@ -215,18 +214,42 @@ def test_readiness_reads_the_controllers_replica_count_one_call_at_a_time(monkey
 
     monkeypatch.setattr(app.serve, "get_replica_context", lambda: SimpleNamespace(app_name="osd"))
     monkeypatch.setattr(app.serve, "status", serve_status)
-    monkeypatch.setattr(app.Readiness, "REFRESH_S", 0.0)
+    monkeypatch.setattr(app.Readiness, "REFRESH_S", 0.2)
     monkeypatch.setattr(app.Readiness, "GRACE_S", 1.0)
+    failed = (DeploymentStatus.DEPLOY_FAILED, "replica failed to start: OSError", {"STARTING": 1})
+    healthy = (DeploymentStatus.HEALTHY, "", {"RUNNING": 2})
 
-    async def first_answer():
+    async def answers():
         r = app.Readiness(["SpecServer"])
-        now["status"] = status(SpecServer=(DeploymentStatus.DEPLOY_FAILED, "replica failed to start: OSError", {"STARTING": 1}))
+        now["status"] = status(SpecServer=failed)
         with pytest.raises(RuntimeError, match=r"^SpecServer has no running replica \(DEPLOY_FAILED: replica failed to start"):
             await r.check()  # the first check waits for the controller's answer
-        now["status"] = status(SpecServer=(DeploymentStatus.HEALTHY, "", {"RUNNING": 2}))
-        await _until_ready(r)  # later ones read the last answer, refreshed behind them
+        now["status"] = status(SpecServer=healthy)
+        n = len(calls)
+        for _ in range(10):  # within REFRESH_S of an answer: that answer, no new call
+            with pytest.raises(RuntimeError, match="DEPLOY_FAILED"):
+                await r.check()
+        assert len(calls) == n
+        await asyncio.sleep(0.25)
+        assert await r.check() is None  # a stale answer is refreshed, and this probe sees the new one
+        assert len(calls) == n + 1
+        now["status"] = status(SpecServer=(DeploymentStatus.UNHEALTHY, "", {}))
+        await asyncio.sleep(1.1)  # probes further apart than GRACE_S, the controller fine: no warning
+        with pytest.raises(RuntimeError, match=r"^SpecServer has no running replica \(UNHEALTHY\)$"):
+            await r.check()
 
-    asyncio.run(first_answer())
+    asyncio.run(answers())
+
+    def broken():
+        raise ConnectionError("controller unreachable")
+
+    async def first_call_fails():
+        monkeypatch.setattr(app.serve, "status", broken)
+        with pytest.raises(RuntimeError, match=r"^the Serve controller's status failed: ConnectionError: controller unreachable$"):
+            await app.Readiness(["SpecServer"]).check()
+        monkeypatch.setattr(app.serve, "status", serve_status)
+
+    asyncio.run(first_call_fails())
 
     async def slow_controller():
         r = app.Readiness(["DraftPool", "Verifier"])
@@ -235,33 +258,25 @@ def test_readiness_reads_the_controllers_replica_count_one_call_at_a_time(monkey
             await r.check()
         now["status"] = status(DraftPool=(DeploymentStatus.HEALTHY, "", {"RUNNING": 1}),
                                Verifier=(DeploymentStatus.UPDATING, "", {"STARTING": 1, "RUNNING": 1}))
-        await asyncio.sleep(0.01)
-        await _until_ready(r)
+        await asyncio.sleep(0.25)
+        assert await r.check() is None
         gate.clear()  # the controller stops answering
+        await asyncio.sleep(0.25)
         n = len(calls)
-        t0 = time.monotonic()
-        for _ in range(20):  # probes keep the last answer, none waits, one call is outstanding
-            assert await r.check() is None
-            await asyncio.sleep(0.005)
-        assert time.monotonic() - t0 < 0.9 and len(calls) == n + 1
+        answers = await asyncio.gather(*(r.check() for _ in range(20)))  # a burst of probes, the answer stale
+        assert answers == [None] * 20  # the last answer stands
+        assert len(calls) == n + 1 and r._pool._work_queue.qsize() == 0  # one call outstanding, none queued
         await asyncio.sleep(1.0)
         # past GRACE_S: still the last answer (serving goes on without the controller), with a warning
         assert re.fullmatch(r"the Serve controller has not answered for \d+ s", await r.check())
         gate.set()
         await asyncio.sleep(0.05)
-        await _until_ready(r)
+        assert await r.check() is None
         assert set(calls) == {"osd-readiness_0"}  # its own thread, never the replica's shared pool
 
     asyncio.run(slow_controller())
 
 
-async def _until_ready(r, tries: int = 50):
-    for _ in range(tries):
-        try:
-            return await r.check()
-        except RuntimeError:
-            await asyncio.sleep(0.01)
-    await r.check()
 
 
 def test_a_failed_step_ends_the_request_with_the_apis_error(tok):
