@@ -89,9 +89,9 @@ def not_running(deployments: list[str]) -> str | None:
     status = serve.status().applications.get(app)
     for name in deployments:
         d = status.deployments.get(name) if status else None
-        if d is None or not d.replica_states.get("RUNNING"):
-            if d is None:
-                return f"{name} has no running replica (not deployed)"
+        if d is None:
+            return f"{name} has no running replica (not deployed)"
+        if not d.replica_states.get("RUNNING"):
             state = getattr(d.status, "value", d.status)  # DeploymentStatus.UPDATING -> UPDATING
             return f"{name} has no running replica ({state}{': ' + d.message if d.message else ''})"
     return None

@@ -214,25 +214,27 @@ class DisaggBackend:
     def __init__(self, cfg: AppConfig):
         self.cfg = cfg
         self._ready = False
-        self._setup_lock: asyncio.Lock | None = None
-        self._setup_task: asyncio.Future | None = None  # /health's set-up, which outlives a check that times out
+        self._setup_task: asyncio.Future | None = None  # the one set-up; outlives a caller that gives up
         self._readiness: Readiness | None = None
         self._releasing: set[asyncio.Task] = set()
 
     async def _ensure_ready(self) -> None:
         # In the Router replica, on first use (this object is pickled with the FastAPI app). In a
         # thread: on a node without the default pair cached, model_paths builds it (minutes), and on the
-        # event loop that would stall every route, /health included. One request sets up; others wait.
+        # event loop that would stall every route, /health included. One task sets up and every caller
+        # waits on it (shielded: a caller cancelled or timed out leaves it going); a failed one reruns.
         if self._ready:
             return
-        self._setup_lock = self._setup_lock or asyncio.Lock()
-        async with self._setup_lock:
-            if not self._ready:
-                await asyncio.to_thread(self._load)
-                app = serve.get_replica_context().app_name
-                self.drafts = serve.get_deployment_handle("DraftPool", app)
-                self.verifier = serve.get_deployment_handle("Verifier", app)
-                self._ready = True
+        if self._setup_task is None or self._setup_task.done():
+            self._setup_task = asyncio.ensure_future(self._set_up())
+        await asyncio.shield(self._setup_task)
+
+    async def _set_up(self) -> None:
+        await asyncio.to_thread(self._load)
+        app = serve.get_replica_context().app_name
+        self.drafts = serve.get_deployment_handle("DraftPool", app)
+        self.verifier = serve.get_deployment_handle("Verifier", app)
+        self._ready = True
 
     def _load(self) -> None:
         from transformers import GenerationConfig
@@ -254,12 +256,7 @@ class DisaggBackend:
         return [e.name for e in self.cfg.experts]
 
     async def ready(self) -> str | None:
-        # /health sets up too: a load balancer sends no request until this router reports ready. The
-        # set-up runs as its own task, so a check that times out leaves it going; a failed one reruns.
-        if not self._ready:
-            if self._setup_task is None or self._setup_task.done():
-                self._setup_task = asyncio.ensure_future(self._ensure_ready())
-            await asyncio.shield(self._setup_task)
+        await self._ensure_ready()  # /health sets up too: a load balancer sends nothing before it reads ready
         if self._readiness is None:  # made in the replica: a thread pool does not pickle
             self._readiness = Readiness(["DraftPool", "Verifier"])
         return await self._readiness.check()

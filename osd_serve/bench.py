@@ -138,15 +138,13 @@ def cpu_info() -> dict:
 
 
 def code_version() -> dict:
-    """Which code a report measured: the git commit (and whether the tree had changes) and the libraries."""
+    """Which code a report measured: git commit, whether the tree changed (not counting benchmarks/ outputs), libraries."""
     import transformers
 
     root = Path(__file__).resolve().parent.parent
     git = lambda *a: subprocess.run(["git", *a], cwd=root, capture_output=True, text=True, timeout=10)  # noqa: E731
     try:
-        # benchmarks/ holds outputs (reports, results) that an earlier run of the same script rewrites
-        sha = git("rev-parse", "--short", "HEAD")
-        status = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)benchmarks/results", ":(exclude)benchmarks/*.md")
+        sha, status = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!benchmarks/results", ":!benchmarks/*.md")
         commit = sha.stdout.strip() if sha.returncode == 0 else None
         dirty = bool(status.stdout.strip()) if status.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):  # no git: an installed copy
