@@ -31,7 +31,7 @@ from ray import serve
 from osd_serve.config import SamplingParams
 from osd_serve.disagg import DraftWorker, ProposeItem, Proposal, TargetVerifier, Verdict, VerifyItem, run_request
 from osd_serve.distill.versions import VersionStore
-from osd_serve.output import Request
+from osd_serve.output import Request, fit_max_tokens
 
 from .app import Readiness
 from .config import AppConfig
@@ -268,6 +268,7 @@ class DisaggBackend:
         t0 = time.perf_counter()
         # in a thread: a long prompt takes seconds to encode, which would stall this router's event loop
         text, ids = await asyncio.to_thread(prepare_prompt, self.tokenizer, self.vocab, self.max_len, prompt, params)
+        params = fit_max_tokens(params, len(ids), self.max_len)
         req = Request(f"seq-{uuid.uuid4().hex}", text, ids, params, None, expert=expert)
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         drafts = self.drafts.options(multiplexed_model_id=expert)

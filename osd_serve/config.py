@@ -39,7 +39,9 @@ def _is_number(v: object) -> bool:
 class SamplingParams:
     """Per-request generation settings. ``temperature == 0`` is greedy decoding."""
 
-    max_tokens: int = 64
+    # None: the rest of the context, max_model_len minus the prompt's tokens (resolved per prompt,
+    # output.fit_max_tokens); the chat API's default, as OpenAI's and vLLM's.
+    max_tokens: int | None = 64
     temperature: float = 0.0
     top_k: int = 0  # 0 disables
     top_p: float = 1.0  # 1.0 disables
@@ -53,7 +55,8 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "an integer >= 1", self.max_tokens)
+        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
+               "an integer >= 1 (or None: the rest of the context)", self.max_tokens)
         _check(lambda t: 0.0 <= t <= FLOAT32_MAX, "temperature", ">= 0 and finite in float32", self.temperature)
         _check(_is_int(self.top_k) and 0 <= self.top_k < TOP_K_LIMIT, "top_k", "an integer in [0, 2**31) (0 disables)", self.top_k)
         _check(self.seed is None or (_is_int(self.seed) and SEED_RANGE[0] <= self.seed < SEED_RANGE[1]), "seed",

@@ -19,7 +19,7 @@ import torch
 from .config import EngineConfig, SamplingParams
 from .kv import BatchKV, make_hole_safe, pad_right
 from .loading import max_positions
-from .output import Completion, Prompt, Request, StreamDelta, check_prompt, eos_token_ids
+from .output import Completion, Prompt, Request, StreamDelta, check_prompt, eos_token_ids, fit_max_tokens
 from .sampling import seeded_generator
 from .spec import RowState, speculative_step
 
@@ -81,6 +81,7 @@ class SpecEngine:
             text, ids = prompt
         else:
             text, ids = check_prompt(self.tokenizer, self.vocab, self.max_model_len, prompt, params)
+        params = fit_max_tokens(params, len(ids), self.max_model_len)
         rid = request_id or f"req-{next(self._ids)}"
         gen = None
         if not params.greedy:

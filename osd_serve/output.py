@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import torch
@@ -24,7 +24,7 @@ def check_prompt(tokenizer, vocab: int, max_model_len: int, prompt, params: Samp
     Tokenizing a long prompt takes seconds: servers call this in a thread (``asyncio.to_thread``), not
     on their event loop or the engine loop, where it would stall every other request."""
     params.validate()
-    if params.max_tokens >= max_model_len:
+    if params.max_tokens is not None and params.max_tokens >= max_model_len:
         raise ValueError(f"max_tokens {params.max_tokens} leaves no room for a prompt within max_model_len {max_model_len}")
     if isinstance(prompt, str):
         try:
@@ -38,12 +38,21 @@ def check_prompt(tokenizer, vocab: int, max_model_len: int, prompt, params: Samp
     if any(not 0 <= t < vocab for t in ids):  # before decode, which overflows on huge ids
         raise ValueError(f"prompt token ids must be in [0, {vocab})")
     # Not + k: Request.step_k never drafts past max_tokens, so k needs no positions of its own.
-    if len(ids) + params.max_tokens > max_model_len:
+    if params.max_tokens is None and len(ids) >= max_model_len:  # unset: the rest of the context, at least 1
+        raise ValueError(f"prompt is too long: {len(ids)} prompt tokens leave no room for output within "
+                         f"max_model_len {max_model_len}")
+    if params.max_tokens is not None and len(ids) + params.max_tokens > max_model_len:
         raise ValueError(
             f"prompt is too long: {len(ids)} prompt tokens + max_tokens {params.max_tokens} "
             f"exceeds max_model_len {max_model_len}"
         )
     return Prompt(tokenizer.decode(ids) if text is None else text, ids)
+
+
+def fit_max_tokens(params: SamplingParams, n_prompt: int, max_model_len: int) -> SamplingParams:
+    """params with max_tokens set: unset (None), the rest of the context after a checked prompt of
+    n_prompt tokens. A copy, not in place: one params object may serve many prompts (generate)."""
+    return params if params.max_tokens is not None else replace(params, max_tokens=max_model_len - n_prompt)
 
 
 def _decode(tokenizer, ids: list[int]) -> str:

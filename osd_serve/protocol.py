@@ -95,7 +95,7 @@ class _Sampling(_Strict):
     def _stop_text(cls, v):
         return _unicode(v)
 
-    def sampling_params(self, default_k: int, default_max_tokens: int = 16) -> SamplingParams:
+    def sampling_params(self, default_k: int, default_max_tokens: int | None = 16) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         k = default_k if self.num_speculative_tokens is None else self.num_speculative_tokens
         return SamplingParams(

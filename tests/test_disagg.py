@@ -149,6 +149,13 @@ def test_a_request_filling_the_model_length_runs_at_any_k(tok):
     assert [c.token_ids for c in eng.generate(prompts, params)] == refs
     reqs, drafts, _, _ = _serve(target, draft, tok, prompts, params, workers=1, move=0.0)
     assert [r.output_ids for r in reqs] == refs and drafts[0].hits > 0
+    # max_tokens unset (chat's default): each prompt runs to the end of the context, whatever its length
+    prompts = [p[:n] for p, n in zip(prompts, (8, 3, 6, 1))]
+    unset = SamplingParams(max_tokens=None, num_speculative_tokens=8, ignore_eos=True)
+    refs = [_hf_greedy(target, p, 32 - len(p)) for p in prompts]
+    assert [c.token_ids for c in eng.generate(prompts, unset)] == refs and unset.max_tokens is None
+    with pytest.raises(ValueError, match="no room for output"):
+        eng.add_request(prompts[0] * 4, unset)
 
 
 @torch.inference_mode()

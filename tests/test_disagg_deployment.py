@@ -296,3 +296,21 @@ def test_a_failed_step_ends_the_request_with_the_apis_error(tok):
     assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
     events = client.post("/v1/completions", json=body | {"stream": True}).text.strip().split("\n\n")
     assert '"error"' in events[-2] and events[-1] == "data: [DONE]"
+
+
+def test_chat_without_a_limit_runs_to_the_end_of_the_context_disaggregated(tok):
+    """max_tokens unset (chat's default) is resolved where the router tokenizes the prompt: the rest of
+    max_model_len, as colocated (test_http), not an unbounded request the Verifier would run past."""
+    pytest.importorskip("ray.serve")
+    from fastapi.testclient import TestClient
+
+    from deployments.api import make_app
+    from deployments.config import AppConfig
+
+    cfg = AppConfig(distill={"enabled": False})
+    backend, _, _ = _backend(tok, cfg)
+    backend.max_len = 40
+    client = TestClient(make_app(backend, cfg))
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length", r.text
+    assert r.json()["usage"]["total_tokens"] == 40 and r.json()["usage"]["completion_tokens"] > 16

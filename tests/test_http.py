@@ -151,6 +151,25 @@ def test_chat_limits_are_named_as_sent_and_bodies_are_capped(client):
         assert r.status_code == 400 and r.json()["error"]["param"] == param
 
 
+def test_chat_without_a_limit_runs_to_the_end_of_the_context(client, service):
+    """As OpenAI's and vLLM's chat: no max_tokens means up to max_model_len, not the legacy 16 that
+    completions keep. A prompt that fills the context is a 400 naming messages."""
+    svc = service[0]
+    max_len = svc.server.engines["default"].max_model_len  # the tiny target's 256 positions
+    msgs = [{"role": "user", "content": "hi"}]
+    r = client.post("/v1/chat/completions", headers=AUTH, json={"messages": msgs, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["total_tokens"] == max_len and body["usage"]["completion_tokens"] > 16, body["usage"]
+    r = client.post("/v1/completions", headers=AUTH, json={"prompt": "hi", "temperature": 0, "ignore_eos": True})
+    assert r.json()["usage"]["completion_tokens"] == 16
+    long = [{"role": "user", "content": " x" * (2 * max_len)}]
+    for extra in ({}, {"max_tokens": 4}):
+        r = client.post("/v1/chat/completions", headers=AUTH, json={"messages": long} | extra)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+
+
 def test_neutral_values_of_unimplemented_openai_fields_are_accepted(client):
     """SDK wrappers send penalties of 0, logprobs null, echo false... by default: those ask for nothing
     this server does not do (the values that would are refused, test_bad_input_is_a_400_naming_the_field)."""
