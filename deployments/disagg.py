@@ -172,12 +172,12 @@ class Verifier(_Batched):
                 self.telemetry.on_event(it.expert, version=it.draft_version)
         return verdicts
 
-    async def release(self, seq_id: str, expert: str, latency_s: float, prompt_ids: list[int] | None = None,
-                      output_ids: list[int] | None = None) -> None:
+    async def release(self, seq_id: str, expert: str, latency_s: float, finish_reason: str | None,
+                      prompt_ids: list[int] | None = None, output_ids: list[int] | None = None) -> None:
         """The sequence is done: free its cache; with distillation on, send its replay record."""
         from .distiller import send_record
 
-        self.telemetry.on_request(expert, latency_s)
+        self.telemetry.on_request(expert, latency_s, finish_reason)
         self.live.pop(seq_id, None)
         self.released[seq_id] = None
         while len(self.released) > 4096:
@@ -283,7 +283,8 @@ class DisaggBackend:
                 yield {"text": "", "token_ids": [], "finished": True, "finish_reason": "error", "prompt_tokens": len(ids)}
         finally:  # finished, failed or the client went away: free the sequence on both sides, without waiting
             record = (req.prompt_ids, req.output_ids) if self.cfg.distill.enabled else ()
-            release = self._release(drafts, verifier, req.request_id, expert, time.perf_counter() - t0, record)
+            release = self._release(drafts, verifier, req.request_id, expert, time.perf_counter() - t0,
+                                    req.finish_reason, record)
             # In a fresh context, so the calls are not children of this request: when a client goes away,
             # Ray Serve cancels the request's child calls still pending assignment (Replica._on_request_cancelled),
             # and a lost release would leave the sequence live on the Verifier.
@@ -292,9 +293,10 @@ class DisaggBackend:
             task.add_done_callback(self._releasing.discard)
 
     @staticmethod
-    async def _release(drafts, verifier, seq_id: str, expert: str, latency_s: float, record: tuple) -> None:
-        results = await asyncio.gather(drafts.release.remote(seq_id),
-                                       verifier.release.remote(seq_id, expert, latency_s, *record), return_exceptions=True)
+    async def _release(drafts, verifier, seq_id: str, expert: str, latency_s: float, finish: str | None,
+                       record: tuple) -> None:
+        results = await asyncio.gather(drafts.release.remote(seq_id), verifier.release.remote(
+            seq_id, expert, latency_s, finish, *record), return_exceptions=True)
         for where, r in zip(("DraftPool", "Verifier"), results):
             if isinstance(r, BaseException):
                 logging.getLogger(__name__).warning("releasing %s on the %s failed: %r", seq_id, where, r)

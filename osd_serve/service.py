@@ -135,10 +135,14 @@ class SpecService:
         t0 = time.perf_counter()
         prompt = await self.server.prepare(prompt, params, expert)  # once: generate takes the Prompt as is
         n_prompt = len(prompt.ids)
-        async for d in self.server.generate(prompt, params, expert):
-            yield {"text": d.text, "token_ids": d.token_ids, "finished": d.finished, "finish_reason": d.finish_reason,
-                   "prompt_tokens": n_prompt}
-        self.telemetry.on_request(expert, time.perf_counter() - t0)
+        finish = None
+        try:
+            async for d in self.server.generate(prompt, params, expert):
+                finish = d.finish_reason
+                yield {"text": d.text, "token_ids": d.token_ids, "finished": d.finished, "finish_reason": d.finish_reason,
+                       "prompt_tokens": n_prompt}
+        finally:  # also when the client went away (aclose), which telemetry leaves out of latency
+            self.telemetry.on_request(expert, time.perf_counter() - t0, finish)
 
     async def admin_experts(self) -> dict:
         out = {}

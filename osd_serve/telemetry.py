@@ -134,7 +134,12 @@ class Telemetry:
                 self._pos[expert][j][1] += p
         self.maybe_log()
 
-    def on_request(self, expert: str, latency_s: float) -> None:
+    def on_request(self, expert: str, latency_s: float, finish_reason: str | None) -> None:
+        """A request's end. Latency counts only those that ran to their end (stop or length), in both
+        topologies: an aborted one's time (its client went away) or a failed one's says nothing of how
+        fast requests are served."""
+        if finish_reason not in ("stop", "length"):
+            return
         with self._lock:
             self._lat.append(latency_s)
         if self.prom.ok:

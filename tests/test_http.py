@@ -303,6 +303,25 @@ def test_a_client_that_goes_away_frees_its_row(service):
     assert asyncio.run(run())
 
 
+def test_the_service_ends_every_request_in_telemetry_with_its_finish(service, monkeypatch):
+    """Completed or abandoned, a request reaches telemetry with how it ended (which leaves an aborted
+    one out of latency, test_telemetry), as the disaggregated router releases every sequence."""
+    svc = service[0]
+    ends = []
+    monkeypatch.setattr(svc.telemetry, "on_request", lambda expert, lat, finish: ends.append((expert, finish)))
+
+    async def run():
+        params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        async for _ in svc.stream("default", "def g(", params):
+            pass
+        gen = svc.stream("sql", "select", SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+        await gen.__anext__()
+        await gen.aclose()
+
+    asyncio.run(run())
+    assert ends == [("default", "length"), ("sql", None)]
+
+
 def test_wandb_offline_files_hold_the_alpha_history(client, service):
     svc, _, _, tmp = service
     for p in PROMPTS:

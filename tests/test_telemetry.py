@@ -85,3 +85,14 @@ def test_every_event_of_a_window_is_logged():
     t.maybe_log(force=True)
     rows = t.recent()
     assert [r.get("version/sql") for r in rows] == [0, 2, None] and rows[0]["rollback/sql"] == 1
+
+
+def test_latency_counts_requests_that_ran_to_their_end():
+    """An aborted request (its client went away) or a failed one is left out of the latency
+    percentiles; the colocated service counted neither, the disaggregated router both."""
+    t = Telemetry("disabled", log_every_s=3600.0)
+    for lat, finish in ((1.0, "length"), (2.0, "stop"), (100.0, None), (50.0, "error"), (70.0, "abort")):
+        t.on_request("default", lat, finish)
+    t.maybe_log(force=True)
+    row = t.recent()[-1]
+    assert row["latency_p50_s"] >= 1.0 and row["latency_p99_s"] <= 2.0, row
