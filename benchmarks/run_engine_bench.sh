@@ -13,7 +13,8 @@
 # weights from memory) with random weights and a 2-layer layer-skip draft (benchmarks/gpu_pair.py;
 # speed depends on sizes and acceptance, not on what the weights know); float32 only, 8 prompts and
 # k <= 4, ~9 minutes on 2 cores. PAIRS="default data big" (the default) picks which pairs run;
-# PAIRS=none only rewrites ENGINE.md from the reports there.
+# PAIRS=none only rewrites ENGINE.md from the reports there. TAG=_amx (any suffix) names the reports
+# engine_PAIR[_bf16]_amx.json, so a run on another host sits beside the reports of this one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 D=${OSD_DATASETS:-../shared/datasets}
@@ -29,7 +30,7 @@ bench_pair() {  # NAME PAIR_JSON
   d=$(python -c 'import json,sys; print(json.loads(sys.argv[1])["draft"])' "$2")
   for dt in $DTYPES; do
     suffix=$([ "$dt" = float32 ] && echo "" || echo "_bf16")
-    osd-serve bench --target "$t" --draft "$d" --dtype "$dt" --threads 2 --repeats 3 --out "$out/engine_$1$suffix.json" >/dev/null
+    osd-serve bench --target "$t" --draft "$d" --dtype "$dt" --threads 2 --repeats 3 --out "$out/engine_$1$suffix${TAG:-}.json" >/dev/null
   done
 }
 PAIRS=${PAIRS:-default data big}
@@ -47,7 +48,7 @@ if [[ " $PAIRS " == *" big "* ]]; then
       --draft-layers 2 --vocab 4096 --dtype float32 --deep-scale 0.02 >/dev/null
   fi
   osd-serve bench --target "$big/target" --draft "$big/draft" --dtype float32 --threads 2 --num-prompts 8 --max-k 4 \
-    --repeats 3 --out "$out/engine_big_random_pair.json" >/dev/null
+    --repeats 3 --out "$out/engine_big_random_pair${TAG:-}.json" >/dev/null
 fi
 {
   printf '# Engine benchmark (issue 2)\n\nRegenerate with `bash benchmarks/run_engine_bench.sh` (builds the pairs if needed; the data pair\n'
