@@ -69,5 +69,12 @@ fi
   printf 'streams the next weight block during a block'"'"'s later tiles (1.50x before; results/cpu_linear_big_random.jsonl),\n'
   printf 'which sped up the target alone at batch 8 more than the engine. A GPU is the machine speculation is built for: an H200 reads 4.8 TB/s against\n'
   printf '~990 TFLOP/s of bf16, ~200 FLOP per byte, and there measured/analytic is 0.94-0.99 at batch 1 (GPU.md).\n\n'
+  printf 'The `_amx` reports come from another host (TAG=_amx): the same 2 cores with AMX, whose tiles make a bf16\n'
+  printf 'forward nearly flat in its rows. The default target at batch 8 costs 1.33x its 1-token step with 4 tokens\n'
+  printf 'per row and 1.68x with 9 in bf16, 1.65x and 2.61x in float32 on the skinny kernel (results/cpu_linear_amx.jsonl).\n'
+  printf 'Its pairs were built there (bootstrap chose bf16 autocast), so they are other weights than this host'"'"'s. In bf16,\n'
+  printf 'v is 1.06-1.16 at batch 1 and 1.15-1.78 at batch 8; the data pair reaches (c)/(a) 1.55-1.72 at batch 8 for\n'
+  printf 'k >= 2, and measured/analytic at batch 1 is 0.83-0.90 over k. Batch 8 still reads 0.46-0.71 of S: besides v,\n'
+  printf 'prefill (11-22%% of the engine'"'"'s time) and the tail of the batch (16 prompts in 8 slots: 5.9-7.8 rows a step).\n\n'
   python -m osd_serve.bench "$out"/engine_*.json
 } | tee benchmarks/ENGINE.md
