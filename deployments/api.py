@@ -138,20 +138,19 @@ def make_app(backend, cfg: AppConfig) -> FastAPI:
         expert = req.expert or classify(text, cfg)
         if expert not in backend.experts():
             raise RequestError(f"expert: unknown expert {expert!r}; known: {backend.experts()}", "expert")
-        # chat may name the limit max_completion_tokens (OpenAI's newer name); errors then use that name
-        alias = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) and req.max_tokens is None else None
+        # chat may name the limit max_completion_tokens (OpenAI's newer name, ChatRequest._limit); errors then use that name
+        alias = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else None
         try:
             # Unset, chat runs to the rest of the context (None, resolved per prompt where it is tokenized)
             # as OpenAI's and vLLM's chat do; completions keep the legacy API's 16.
-            default = req.max_completion_tokens if chat else min(16, cfg.max_model_len // 2)
-            params = req.sampling_params(cfg.num_speculative_tokens, default)
+            params = req.sampling_params(cfg.num_speculative_tokens, None if chat else min(16, cfg.max_model_len // 2))
             params.validate()
             it = backend.stream(expert, prompt, params).__aiter__()
             first = await it.__anext__()  # bad input (too long a prompt...) raises here, before any 200
         except ValueError as e:
             err = engine_error(e)
             if chat and err.param == "prompt":  # the prompt rendered from the messages: chat's field is messages
-                err = RequestError(str(err), "messages")
+                err = RequestError(f"messages: the rendered {err}", "messages")
             if alias:
                 err = RequestError(str(err).replace("max_tokens", alias), alias if err.param == "max_tokens" else err.param)
             raise err from None

@@ -172,7 +172,7 @@ class Verifier(_Batched):
                 self.telemetry.on_event(it.expert, version=it.draft_version)
         return verdicts
 
-    async def release(self, seq_id: str, expert: str, latency_s: float, finish_reason: str | None,
+    async def release(self, seq_id: str, expert: str, latency_s: float, *, finish_reason: str | None = None,
                       prompt_ids: list[int] | None = None, output_ids: list[int] | None = None) -> None:
         """The sequence is done: free its cache; with distillation on, send its replay record."""
         from .distiller import send_record
@@ -282,7 +282,7 @@ class DisaggBackend:
                 logging.getLogger(__name__).error("request %s failed: %r", req.request_id, e, exc_info=e)
                 yield {"text": "", "token_ids": [], "finished": True, "finish_reason": "error", "prompt_tokens": len(ids)}
         finally:  # finished, failed or the client went away: free the sequence on both sides, without waiting
-            record = (req.prompt_ids, req.output_ids) if self.cfg.distill.enabled else ()
+            record = {"prompt_ids": req.prompt_ids, "output_ids": req.output_ids} if self.cfg.distill.enabled else {}
             release = self._release(drafts, verifier, req.request_id, expert, time.perf_counter() - t0,
                                     req.finish_reason, record)
             # In a fresh context, so the calls are not children of this request: when a client goes away,
@@ -294,9 +294,11 @@ class DisaggBackend:
 
     @staticmethod
     async def _release(drafts, verifier, seq_id: str, expert: str, latency_s: float, finish: str | None,
-                       record: tuple) -> None:
+                       record: dict) -> None:
+        # keywords past the first three: a Verifier of another version (a rolling upgrade) never reads
+        # the prompt ids as the finish reason
         results = await asyncio.gather(drafts.release.remote(seq_id), verifier.release.remote(
-            seq_id, expert, latency_s, finish, *record), return_exceptions=True)
+            seq_id, expert, latency_s, finish_reason=finish, **record), return_exceptions=True)
         for where, r in zip(("DraftPool", "Verifier"), results):
             if isinstance(r, BaseException):
                 logging.getLogger(__name__).warning("releasing %s on the %s failed: %r", seq_id, where, r)

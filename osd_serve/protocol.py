@@ -95,11 +95,14 @@ class _Sampling(_Strict):
     def _stop_text(cls, v):
         return _unicode(v)
 
+    def _limit(self) -> int | None:
+        return self.max_tokens
+
     def sampling_params(self, default_k: int, default_max_tokens: int | None = 16) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         k = default_k if self.num_speculative_tokens is None else self.num_speculative_tokens
         return SamplingParams(
-            max_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature, top_k=self.top_k,
+            max_tokens=self._limit() or default_max_tokens, temperature=self.temperature, top_k=self.top_k,
             top_p=self.top_p, stop=stop, seed=self.seed, ignore_eos=self.ignore_eos, num_speculative_tokens=k,
         )
 
@@ -156,6 +159,10 @@ class ChatRequest(_Sampling):
     tool_choice: str | None = None
     response_format: dict | None = None
     _neutral_chat = field_validator("tools", "tool_choice", "response_format")(_neutral_only)
+
+    def _limit(self) -> int | None:
+        # OpenAI's newer name for the limit; with both sent it wins, as in vLLM (max_tokens is deprecated)
+        return self.max_completion_tokens or self.max_tokens
 
     def message_dicts(self) -> list[dict]:
         return [m.as_dict() for m in self.messages]

@@ -4,6 +4,7 @@ lifecycle and set-up, over stand-ins for deployment handles (the core's workers 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -24,9 +25,9 @@ class _Handle:
     def __getattr__(self, name):
         from ray.serve.context import _get_serve_request_context
 
-        def remote(*args):
+        def remote(*args, **kwargs):
             self.calls.append((name, _get_serve_request_context()._internal_request_id))
-            return asyncio.ensure_future(self.methods[name](*args))
+            return asyncio.ensure_future(self.methods[name](*args, **kwargs))
 
         return type("Method", (), {"remote": staticmethod(remote)})
 
@@ -38,6 +39,7 @@ def _backend(tok, cfg, fail_verify_every: int = 0):
 
     target = llama(len(tok), seed=3)
     worker, verifier = DraftWorker(perturbed(target, 0.05), len(tok)), TargetVerifier(target, len(tok))
+    verifier.ends = []  # (expert, finish_reason, record keys) of each release
     n = {"verify": 0}
 
     async def propose(item):
@@ -52,8 +54,9 @@ def _backend(tok, cfg, fail_verify_every: int = 0):
     async def release_draft(seq_id):
         worker.release(seq_id)
 
-    async def release_target(seq_id, *_):
+    async def release_target(seq_id, expert, latency_s, *, finish_reason=None, **record):
         verifier.release(seq_id)
+        verifier.ends.append((expert, finish_reason, sorted(record)))
 
     backend = DisaggBackend(cfg)
     backend.tokenizer, backend.vocab, backend.max_len, backend.eos, backend._ready = tok, len(tok), 512, set(), True
@@ -88,6 +91,8 @@ def test_a_request_that_ends_early_still_releases_its_sequence(tok):
     releases = [parent for name, parent in calls if name == "release"]
     assert len(releases) == 2 and "parent" not in releases
     assert not verifier.caches.tokens and not worker.caches.tokens  # both sides freed the sequence
+    # unfinished (left out of latency), with its replay record as keywords (distillation is on)
+    assert verifier.ends == [("default", None, ["output_ids", "prompt_ids"])]
 
 
 def test_the_verifier_stops_counting_a_sequence_whose_release_never_came(monkeypatch):
@@ -308,9 +313,15 @@ def test_chat_without_a_limit_runs_to_the_end_of_the_context_disaggregated(tok):
     from deployments.config import AppConfig
 
     cfg = AppConfig(distill={"enabled": False})
-    backend, _, _ = _backend(tok, cfg)
+    backend, _, verifier = _backend(tok, cfg)
     backend.max_len = 40
     client = TestClient(make_app(backend, cfg))
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True})
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length", r.text
     assert r.json()["usage"]["total_tokens"] == 40 and r.json()["usage"]["completion_tokens"] > 16
+    # the release tells the Verifier how the request ended (latency counts stop/length only)
+    for _ in range(200):  # the release runs in the background, after the response
+        if verifier.ends:
+            break
+        time.sleep(0.01)
+    assert verifier.ends == [("default", "length", [])]

@@ -168,6 +168,11 @@ def test_chat_without_a_limit_runs_to_the_end_of_the_context(client, service):
     for extra in ({}, {"max_tokens": 4}):
         r = client.post("/v1/chat/completions", headers=AUTH, json={"messages": long} | extra)
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+        assert r.json()["error"]["message"].startswith("messages: the rendered prompt is too long")
+    # both limits sent: max_completion_tokens (OpenAI's newer name) wins, as in vLLM
+    r = client.post("/v1/chat/completions", headers=AUTH, json={"messages": msgs, "max_tokens": 3, "max_completion_tokens": 5,
+                                                                 "ignore_eos": True})
+    assert r.json()["usage"]["completion_tokens"] == 5, r.text
 
 
 def test_neutral_values_of_unimplemented_openai_fields_are_accepted(client):
