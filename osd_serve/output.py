@@ -38,14 +38,10 @@ def check_prompt(tokenizer, vocab: int, max_model_len: int, prompt, params: Samp
     if any(not 0 <= t < vocab for t in ids):  # before decode, which overflows on huge ids
         raise ValueError(f"prompt token ids must be in [0, {vocab})")
     # Not + k: Request.step_k never drafts past max_tokens, so k needs no positions of its own.
-    if params.max_tokens is None and len(ids) >= max_model_len:  # unset: the rest of the context, at least 1
-        raise ValueError(f"prompt is too long: {len(ids)} prompt tokens leave no room for output within "
-                         f"max_model_len {max_model_len}")
-    if params.max_tokens is not None and len(ids) + params.max_tokens > max_model_len:
-        raise ValueError(
-            f"prompt is too long: {len(ids)} prompt tokens + max_tokens {params.max_tokens} "
-            f"exceeds max_model_len {max_model_len}"
-        )
+    if len(ids) + (params.max_tokens or 1) > max_model_len:  # unset: the rest of the context, at least 1
+        asked = (f"+ max_tokens {params.max_tokens} exceeds" if params.max_tokens is not None
+                 else "leave no room for output within")
+        raise ValueError(f"prompt is too long: {len(ids)} prompt tokens {asked} max_model_len {max_model_len}")
     return Prompt(tokenizer.decode(ids) if text is None else text, ids)
 
 
