@@ -19,6 +19,7 @@ import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from osd_serve.protocol import (ChatRequest, CompletionRequest, RequestError, chunk_body, completion_body,
@@ -78,6 +79,11 @@ def make_app(backend, cfg: AppConfig) -> FastAPI:
     @app.exception_handler(RequestError)
     async def _bad_request(_, e: RequestError):
         return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):  # unknown route, wrong method: OpenAI's shape too
+        msg = f"{request.method} {request.url.path}: {e.detail}"
+        return JSONResponse(RequestError(msg, None, e.status_code).body(), status_code=e.status_code, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _bad_route_args(_, e: RequestValidationError):  # e.g. ?to=abc: OpenAI's shape, not FastAPI's 422

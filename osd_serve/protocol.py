@@ -14,7 +14,7 @@ import json
 import time
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from .config import MAX_SPECULATIVE_TOKENS, SEED_RANGE, TOP_K_LIMIT, SamplingParams
 from .output import Prompt, check_prompt
@@ -79,7 +79,7 @@ class _Sampling(_Strict):
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=SEED_RANGE[0], lt=SEED_RANGE[1])
     user: str | None = None
-    expert: str | None = None
+    expert: str | None = Field(None, min_length=1)  # "" would fall through to the classifier unnoticed
     num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_SPECULATIVE_TOKENS)
     ignore_eos: bool = False
     # _UNIMPLEMENTED: accepted at their neutral values only
@@ -137,14 +137,12 @@ class ChatMessage(_Strict):
 
     @field_validator("content")
     @classmethod
-    def _content_text(cls, v):
+    def _content_text(cls, v, info: ValidationInfo):
+        # A field validator (not a model one), so the 400 names messages.N.content; role is declared
+        # first, so it is validated already (absent from info.data only when it was refused itself).
+        if v is None and info.data.get("role", "assistant") != "assistant":
+            raise ValueError("only an assistant message may have null content")
         return _unicode(v)
-
-    @model_validator(mode="after")
-    def _content_given(self) -> "ChatMessage":
-        if self.content is None and self.role != "assistant":
-            raise ValueError("content: only an assistant message may have null content")
-        return self
 
     def as_dict(self) -> dict:
         parts = [self.content or ""] if not isinstance(self.content, list) else [p.text for p in self.content]
@@ -212,9 +210,18 @@ def _not_json(name: str):
     raise _NotJSON(f"body is not valid JSON: {name} is not a JSON value")
 
 
+def _json_int(text: str) -> int:
+    """Python's int() refuses literals of more than sys.get_int_max_str_digits() digits (4300) with a
+    plain ValueError, which escaped as a 500: a 4 KB body could send one."""
+    try:
+        return int(text)
+    except ValueError:
+        raise _NotJSON(f"body: an integer of {len(text.lstrip('-'))} digits is too long to read") from None
+
+
 def parse_request(raw: bytes, model: type[BaseModel]) -> BaseModel:
     try:
-        data = json.loads(raw or b"null", parse_constant=_not_json)
+        data = json.loads(raw or b"null", parse_constant=_not_json, parse_int=_json_int)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise RequestError(f"body is not valid JSON: {e}") from None
     except _NotJSON as e:

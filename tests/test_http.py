@@ -107,6 +107,7 @@ def test_router_picks_experts_and_explicit_expert_wins(client):
     ({"prompt": "x", "echo": True}, "echo"),
     ({"prompt": "x", "best_of": 2}, "best_of"),
     ({"prompt": "x", "expert": "nope"}, "expert"),
+    ({"prompt": "x", "expert": ""}, "expert"),  # was taken as no expert: the classifier chose one
     ({"max_tokens": 3}, "prompt"),
     ({"prompt": "x", "stop": [""]}, "stop"),
     ({"prompt": "x", "stop": 5}, "stop"),
@@ -126,7 +127,9 @@ def test_bad_input_is_a_400_naming_the_field(client, body, param):
 
 
 def test_chat_bad_input_names_the_message_field(client):
-    for content, param in (("\udc00", "messages.0.content"), ([{"type": "image_url", "image_url": {}}], "messages.0.content")):
+    # null content from a user: the 400 named messages.0, the message, not its content
+    for content, param in (("\udc00", "messages.0.content"), ([{"type": "image_url", "image_url": {}}], "messages.0.content"),
+                           (None, "messages.0.content")):
         r = client.post("/v1/chat/completions", headers=AUTH | {"content-type": "application/json"},
                         content=json.dumps({"messages": [{"role": "user", "content": content}]}))
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
@@ -239,9 +242,18 @@ def test_invalid_json_and_auth(client):
     assert r.status_code == 400
     r = client.post("/v1/completions", headers=AUTH, content=b"[" * 100_000)  # json.loads: RecursionError
     assert r.status_code == 400 and "nested" in r.json()["error"]["message"]
+    # An integer past Python's int() digit limit (4300) raised a plain ValueError out of json.loads: a 500
+    for field in (b"max_tokens", b"unknown_field"):
+        r = client.post("/v1/completions", headers=AUTH, content=b'{"prompt": "x", "' + field + b'": -' + b"9" * 4301 + b"}")
+        assert r.status_code == 400 and "4301 digits" in r.json()["error"]["message"], r.text
     for const in (b"NaN", b"Infinity", b"-Infinity"):  # Python's json takes them; JSON has no such values
         r = client.post("/v1/completions", headers=AUTH, content=b'{"prompt": "x", "temperature": ' + const + b"}")
         assert r.status_code == 400 and "is not a JSON value" in r.json()["error"]["message"], r.text
+    # an unknown route or a wrong method answers in OpenAI's error shape too, not FastAPI's {"detail": ...}
+    r = client.post("/v1/nope", headers=AUTH, json={})
+    assert r.status_code == 404 and r.json()["error"]["message"] == "POST /v1/nope: Not Found", r.text
+    r = client.get("/v1/completions", headers=AUTH)
+    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error" and r.headers["allow"] == "POST"
     assert client.post("/v1/completions", json={"prompt": "x"}).status_code == 401
     assert client.post("/v1/completions", headers={"Authorization": "Bearer wrong"}, json={"prompt": "x"}).status_code == 401
     assert client.get("/v1/models").status_code == 401
