@@ -72,7 +72,7 @@ class _Sampling(_Strict):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, lt=TOP_K_LIMIT)
+    top_k: int = Field(0, ge=-1, lt=TOP_K_LIMIT)  # -1 disables too, as vLLM's clients send it
     n: int = Field(1, ge=1, le=1)  # one choice per request; ask several times for more
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -102,7 +102,7 @@ class _Sampling(_Strict):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         k = default_k if self.num_speculative_tokens is None else self.num_speculative_tokens
         return SamplingParams(
-            max_tokens=self._limit() or default_max_tokens, temperature=self.temperature, top_k=self.top_k,
+            max_tokens=self._limit() or default_max_tokens, temperature=self.temperature, top_k=max(self.top_k, 0),
             top_p=self.top_p, stop=stop, seed=self.seed, ignore_eos=self.ignore_eos, num_speculative_tokens=k,
         )
 

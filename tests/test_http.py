@@ -114,6 +114,7 @@ def test_router_picks_experts_and_explicit_expert_wins(client):
     ({"prompt": ["a", "b"]}, "prompt"),
     ({"prompt": "x", "seed": 2**63}, "seed"),
     ({"prompt": "x", "top_k": 2**63}, "top_k"),
+    ({"prompt": "x", "top_k": -2}, "top_k"),  # -1 disables (vLLM's spelling), below it is refused
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),  # without stream
     ({"prompt": "x", "stream": True, "stream_options": {"usage": True}}, "stream_options.usage"),
 ])
@@ -185,6 +186,12 @@ def test_neutral_values_of_unimplemented_openai_fields_are_accepted(client):
     base = {"prompt": "def f(x):", "max_tokens": 6, "temperature": 0}
     want = client.post("/v1/completions", headers=AUTH, json=base).json()["choices"][0]["text"]
     r = client.post("/v1/completions", headers=AUTH, json=base | neutral | {"echo": False, "best_of": 1, "suffix": None})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
+    # top_k -1 is vLLM's spelling of "disabled" (0 here): the same seeded sample as top_k 0 (at k=0: with
+    # drafts, which sample a seed gives depends on the draft, and this service distils it between requests)
+    sampled = {"prompt": "def f(x):", "max_tokens": 8, "temperature": 1.0, "seed": 7, "num_speculative_tokens": 0}
+    want = client.post("/v1/completions", headers=AUTH, json=sampled | {"top_k": 0}).json()["choices"][0]["text"]
+    r = client.post("/v1/completions", headers=AUTH, json=sampled | {"top_k": -1})
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
     # chat: "developer" is OpenAI's newer name for "system", and content may be a list of text parts
     chat = {"max_tokens": 6, "temperature": 0}
