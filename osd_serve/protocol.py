@@ -53,6 +53,13 @@ _UNIMPLEMENTED = {
     "tools": ((None, []), "tools are not supported; send null or []"),
     "tool_choice": ((None, "none"), "tools are not supported; send null or \"none\""),
     "response_format": ((None, {"type": "text"}), 'only {"type": "text"} is supported'),
+    # an assistant turn's own fields, which a client echoes back in its history (OpenAI's SDK sets them
+    # on the message object a reply from OpenAI parses into)
+    "refusal": ((None,), "a refusal in a message is not supported; send null"),
+    "tool_calls": ((None, []), "tool calls are not supported; send null or []"),
+    "function_call": ((None,), "function calls are not supported; send null"),
+    "audio": ((None,), "audio is not supported; send null"),
+    "annotations": ((None, []), "annotations are not supported; send null or []"),
 }
 
 
@@ -134,6 +141,12 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]  # developer: OpenAI's newer name for system
     content: str | list[TextPart] | None  # None: an assistant turn that only called tools, in a client's history
     name: str | None = None
+    refusal: str | None = None  # these five: _UNIMPLEMENTED, accepted at their neutral values only
+    tool_calls: list | None = None
+    function_call: dict | None = None
+    audio: dict | None = None
+    annotations: list | None = None
+    _neutral = field_validator("refusal", "tool_calls", "function_call", "audio", "annotations")(_neutral_only)
 
     @field_validator("content")
     @classmethod

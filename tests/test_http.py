@@ -201,6 +201,14 @@ def test_neutral_values_of_unimplemented_openai_fields_are_accepted(client):
         {"role": "developer", "content": [{"type": "text", "text": "be brief"}]},
         {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": " there"}]}]})
     assert r.status_code == 200 and r.json()["choices"][0]["message"] == want["choices"][0]["message"]
+    # an assistant turn echoed back as OpenAI's SDK holds it (its own fields at null or []) reads as its text
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}, {"role": "user", "content": "more"}]
+    want = client.post("/v1/chat/completions", headers=AUTH, json=chat | {"messages": turns}).json()
+    echoed = {"refusal": None, "tool_calls": None, "function_call": None, "audio": None, "annotations": []}
+    r = client.post("/v1/chat/completions", headers=AUTH, json=chat | {"messages": [turns[0], turns[1] | echoed, turns[2]]})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"] == want["choices"][0]["message"], r.text
+    r = client.post("/v1/chat/completions", headers=AUTH, json=chat | {"messages": [turns[0], turns[1] | {"tool_calls": [{"id": "c"}]}, turns[2]]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.1.tool_calls", r.text
 
 
 def test_prompts_are_tokenized_off_the_event_loop_and_the_engine_loop(service, tok, monkeypatch):
