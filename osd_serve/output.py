@@ -113,6 +113,7 @@ class Request:
     expert: str = "default"  # the draft expert (LoRA adapter) serving it; its records go to that shard
     _sent_ids: int = 0  # how many output ids / chars were already streamed
     _sent_chars: int = 0
+    _rendered: int = 0  # output ids whose text is in ``text`` (the rest end inside a UTF-8 character)
     _stream: DecodeStream | None = None  # incremental detokenizer (see _render)
 
     @property
@@ -140,16 +141,18 @@ class Request:
                 break
         # EOS is kept in token_ids (as HF generate does) but never rendered as text.
         ids = self.output_ids[:-1] if self.finish_reason == "stop" else self.output_ids
-        before = self.text
+        before, shown = self.text, self._rendered
         self.text = self._render(tokenizer, ids, start)
         if p.stop:
-            self._stop_at_string(tokenizer, before, start)
+            self._stop_at_string(tokenizer, before, shown)
 
-    def _stop_at_string(self, tokenizer, before: str, start: int) -> None:
+    def _stop_at_string(self, tokenizer, before: str, shown: int) -> None:
         """End at the first stop string to complete in the text: cut the text before it, and drop
         the tokens after the one that completed it. A step appends up to k+1 tokens at once, so
         without the token cut the token ids (and usage) would depend on k; with it they are what
-        one token per step gives. Of two stops completing at once, the one starting first wins."""
+        one token per step gives. Of two stops completing at once, the one starting first wins.
+        ``shown``: output ids whose text the last step already had; a stop may end in any later one,
+        including ids of earlier steps whose text was held back (they end inside a character)."""
         # Only text after what the last step already showed can complete a stop first seen now. The
         # text grows by appending, except that a full decode may turn a trailing U+FFFD into the
         # character it was the start of: search from the common prefix.
@@ -159,7 +162,7 @@ class Request:
             return
         end, at = min(hits)
         self.text, self.finish_reason = self.text[:at], "stop"
-        for j in range(start, len(self.output_ids)):  # the first new token whose text reaches the stop's end
+        for j in range(shown, len(self.output_ids)):  # the first new token whose text reaches the stop's end
             if len(_decode(tokenizer, self.output_ids[: j + 1]).rstrip("\ufffd")) >= end:
                 del self.output_ids[j + 1 :]
                 break
@@ -170,18 +173,28 @@ class Request:
         O(length) per step (0.5 ms per row at 2,000 tokens on CPU). The stream holds back an incomplete
         UTF-8 tail that a full decode shows as U+FFFD; once finished, one full decode gives the final
         text exactly as ``_decode`` would. Tokenizers without a fast backend are decoded in full every
-        step."""
+        step. The new ids go in one at a time: given a step's ids at once, the stream holds back all of
+        their text while the last one ends inside a UTF-8 character, so a stop string before it was
+        seen a step late, after the step's tokens past it were kept (token ids then depended on k)."""
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if self.finished or backend is None:
+            self._rendered = len(ids)
             return _decode(tokenizer, ids)
         if self._stream is None:
             self._stream = DecodeStream(skip_special_tokens=True)
-        new = ids[start:]
-        return self.text + ((self._stream.step(backend, new) if new else None) or "")
+        pieces = []
+        for i, t in enumerate(ids[start:], start):
+            piece = self._stream.step(backend, [t])  # None while t ends inside a character
+            if piece is not None:
+                pieces.append(piece)
+                self._rendered = i + 1
+        return self.text + "".join(pieces)
 
     def delta(self) -> StreamDelta:
         """New text since the last delta. Holds back text that may still become a stop string or is an
-        incomplete UTF-8 sequence, so a stream never shows what the final text will not contain."""
+        incomplete UTF-8 sequence, so a stream never shows what the final text will not contain; and
+        the ids of such a sequence, which a stop string found once it completes may still cut (the
+        ids streamed then always add up to the final ones, and the API counts usage from them)."""
         end = len(self.text)
         if not self.finished:
             if self.text.endswith("\ufffd"):
@@ -192,14 +205,15 @@ class Request:
                         end -= n
                         break
         end = max(end, self._sent_chars)
+        ids_end = max(len(self.output_ids) if self.finished else self._rendered, self._sent_ids)
         d = StreamDelta(
             self.request_id,
             self.text[self._sent_chars : end],
-            self.output_ids[self._sent_ids :],
+            self.output_ids[self._sent_ids : ids_end],
             self.finished,
             self.finish_reason,
         )
-        self._sent_chars, self._sent_ids = end, len(self.output_ids)
+        self._sent_chars, self._sent_ids = end, ids_end
         return d
 
     def completion(self) -> Completion:

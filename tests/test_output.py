@@ -79,6 +79,26 @@ def test_stop_string_spanning_steps_and_eos(bpe):
     assert r.finish_reason == "stop" and r.output_ids == ids[:3] + [eos] and r.text == bpe.decode(ids[:3])
 
 
+def test_a_stop_string_followed_by_a_split_character_in_the_same_step_cuts_there(bpe):
+    """A step whose last token ends inside a UTF-8 character: the incremental decode held back the text
+    of the whole step, so a stop string earlier in it was found a step later, when the tokens after it
+    could no longer be cut: the token ids then depended on how many tokens a step appended."""
+    ids = bpe.encode(TEXT)
+    for stop in ("h", "l", "w", "na", ": ", "x", "≤ ", "日", "2\n"):  # each followed, in TEXT, by text split across tokens
+        kept = {}
+        for per_step in range(1, 8):
+            r, streamed = _request(max_tokens=len(ids), stop=[stop]), []
+            for i in range(0, len(ids), per_step):
+                r.append(ids[i : i + per_step], bpe, {bpe.eos_token_id})
+                streamed += r.delta().token_ids
+                if r.finished:
+                    break
+            assert r.finish_reason == "stop" and r.text == TEXT[: TEXT.find(stop)]
+            assert streamed == r.output_ids  # no id streamed that the cut then took back (usage counts them)
+            kept[per_step] = r.output_ids
+        assert all(k == kept[1] for k in kept.values()), (stop, {n: len(k) for n, k in kept.items()})
+
+
 def test_earliest_of_several_stop_strings_wins_within_one_step(bpe):
     ids = bpe.encode(TEXT)
     text = bpe.decode(ids)
