@@ -3,7 +3,7 @@ c and v. The bench's S takes c (a draft forward ÷ a target forward) and v (a ta
 tokens ÷ over 1) from forwards of one model repeated back to back, whose weights then stay in the
 core's caches. In the engine the k draft forwards and the target's verification alternate, so the
 first draft forward of each step follows a target forward that streamed the target's weights through
-L2: this measures how much that costs, with the same ``BatchKV.forward`` the bench and engine use.
+L2: this measures how much that costs, with the bench's own timed forward (``osd_serve.bench.timed_forward``).
 
     python benchmarks/interleave_cost.py --pair ~/.cache/osd-serve/default-pair --dtype bfloat16 --k 5
 
@@ -16,12 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
-from osd_serve.kv import BatchKV
+from osd_serve.bench import filled_cache, timed_forward
 from osd_serve.loading import ModelConfig, load_pair
 
 
@@ -39,23 +38,11 @@ def main() -> None:
     target, draft, _ = load_pair(ModelConfig(target=str(args.pair / "target"), draft=str(args.pair / "draft"),
                                              dtype=args.dtype, device="cpu"))
     vocab = target.get_output_embeddings().weight.shape[0]
-    dev, k = torch.device("cpu"), args.k
+    k = args.k
+    tkv, dkv = (filled_cache(m, 1, args.context, vocab, torch.device("cpu")) for m in (target, draft))
 
-    def filled(model) -> BatchKV:
-        kv = BatchKV(model, 1, dev)
-        ctx = torch.randint(0, vocab, (1, args.context))
-        kv.forward(ctx, torch.ones_like(ctx, dtype=torch.bool))
-        return kv
-
-    tkv, dkv = filled(target), filled(draft)
-
-    def fwd(kv: BatchKV, n: int) -> float:  # one forward of n tokens, rolled back as the bench does
-        ids = torch.randint(0, vocab, (1, n))
-        t0 = time.perf_counter()
-        kv.forward(ids, torch.ones(1, n, dtype=torch.bool))
-        dt = time.perf_counter() - t0
-        kv.truncate(kv.length - n)
-        return dt
+    def fwd(kv, n: int) -> float:  # one forward of n tokens, rolled back, as the bench times c and v
+        return timed_forward(kv, n, vocab)
 
     t = {name: [] for name in ("draft_alone", "verify_alone", "draft_first_in_step", "draft_rest_in_step", "verify_in_step")}
     for r in range(args.rounds + 2):

@@ -19,8 +19,8 @@ import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from osd_serve.protocol import (ChatRequest, CompletionRequest, RequestError, chunk_body, completion_body,
                                 engine_error, parse_request, sse, usage_chunk)

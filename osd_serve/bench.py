@@ -23,6 +23,7 @@ from .config import EngineConfig, SamplingParams
 from .engine import SpecEngine
 from .kv import BatchKV
 from .output import check_prompt
+from .spec import _sync
 
 
 def analytic_speedup(alpha: float, k: int, c: float, verify_cost: float = 1.0) -> float:
@@ -92,34 +93,43 @@ def mismatches(model, prompts: list[list[int]], outs: list[list[int]], refs: lis
 
 
 @torch.inference_mode()
-def forward_cost(model, batch: int, context: int, vocab: int, device, repeats: int = 30, tokens: int = 1) -> float:
-    """Median seconds of one forward appending ``tokens`` new tokens per row to a KV cache of
-    ``context`` tokens (1: a decode step; k+1: a verification).
-
-    Each timed forward is rolled back by ``truncate`` alone: every row drops the same suffix, which
-    crops the cache in place, so the next forward appends into the same buffers as an engine step
-    does. Compacting here as well would hand every layer a freshly gathered tensor that the next
-    forward must copy into a new buffer: a whole-cache copy per timed forward (1.1 ms of a 6 ms target
-    forward at batch 1, 3 ms of 10 ms at batch 8 on the 2-core host) that no decode step pays. It
-    made c and v read 5-15% low."""
+def filled_cache(model, batch: int, context: int, vocab: int, device) -> BatchKV:
+    """A BatchKV of ``batch`` rows holding ``context`` random tokens each."""
     kv = BatchKV(model, batch, device)
     ctx = torch.randint(0, vocab, (batch, context), device=device)
     kv.forward(ctx, torch.ones_like(ctx, dtype=torch.bool))
-    new = torch.ones(batch, tokens, dtype=torch.bool, device=device)
-    times = []
-    for i in range(repeats + 3):
-        tok = torch.randint(0, vocab, (batch, tokens), device=device)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        kv.forward(tok, new)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        if i >= 3:  # warm-up
-            times.append(time.perf_counter() - t0)
-        kv.truncate(kv.length - tokens)  # keep the context length fixed
-        assert kv.width == context, "a common suffix must be cropped, not left as holes"
-    return statistics.median(times)
+    return kv
+
+
+@torch.inference_mode()
+def timed_forward(kv: BatchKV, tokens: int, vocab: int) -> float:
+    """Seconds of one forward appending ``tokens`` random tokens to every row, then rolled back.
+
+    Rolled back by ``truncate`` alone: every row drops the same suffix, which crops the cache in
+    place, so the next forward appends into the same buffers as an engine step does. Compacting here
+    as well would hand every layer a freshly gathered tensor that the next forward must copy into a
+    new buffer: a whole-cache copy per timed forward (1.1 ms of a 6 ms target forward at batch 1, 3 ms
+    of 10 ms at batch 8 on the 2-core host) that no decode step pays. It made c and v read 5-15% low."""
+    device, width = kv.length.device, kv.width
+    tok = torch.randint(0, vocab, (kv.batch_size, tokens), device=device)
+    new = torch.ones(kv.batch_size, tokens, dtype=torch.bool, device=device)
+    _sync(device)
+    t0 = time.perf_counter()
+    kv.forward(tok, new)
+    _sync(device)
+    dt = time.perf_counter() - t0
+    kv.truncate(kv.length - tokens)  # keep the context length fixed
+    assert kv.width == width, "a common suffix must be cropped, not left as holes"
+    return dt
+
+
+@torch.inference_mode()
+def forward_cost(model, batch: int, context: int, vocab: int, device, repeats: int = 30, tokens: int = 1) -> float:
+    """Median seconds of one forward appending ``tokens`` new tokens per row to a KV cache of
+    ``context`` tokens (1: a decode step; k+1: a verification), after 3 warm-up forwards."""
+    kv = filled_cache(model, batch, context, vocab, device)
+    times = [timed_forward(kv, tokens, vocab) for _ in range(repeats + 3)]
+    return statistics.median(times[3:])
 
 
 def cpu_info() -> dict:

@@ -15,8 +15,6 @@ import math
 
 import torch
 
-from kernels.verify import inverse_cdf_sample
-
 
 def apply_top_k_top_p(
     logits: torch.Tensor,  # [N, V] float32, already divided by temperature
@@ -80,22 +78,6 @@ def logits_to_probs(
     scaled = (logits - logits.amax(dim=1, keepdim=True)) / temp.unsqueeze(1)  # [N, V]
     probs = apply_top_k_top_p(scaled, top_k, top_p).softmax(dim=-1)  # [N, V]
     return torch.where(greedy.unsqueeze(1), one_hot, probs)  # [N, V]
-
-
-def sample_from_probs(
-    probs: torch.Tensor,  # [N, V] float, rows need not be normalised
-    uniforms: torch.Tensor,  # [N] float in [0, 1)
-) -> torch.Tensor:  # [N] int64
-    """Inverse-CDF sample: the first index whose cumulative mass exceeds u * total.
-
-    Deterministic given the uniforms (no generator, no host sync), so a draft proposal can be
-    replayed. The draft's proposals use it, so it is the accept rule's own sampler
-    (``kernels.verify.inverse_cdf_sample``): its cumulative sums are float64. In float32 they drifted
-    over a 152k vocab, so the draft sampled from a q' other than the q the accept rule was given (1.25e-3
-    apart in total variation for half the mass on one token and a flat tail), and the output was off
-    the target's distribution by about as much.
-    """
-    return inverse_cdf_sample(probs, uniforms)
 
 
 _MASK64 = (1 << 64) - 1

@@ -14,9 +14,10 @@ from dataclasses import dataclass, fields
 import torch
 
 from kernels import verify, verify_greedy
+from kernels.verify import inverse_cdf_sample
 
 from .kv import BatchKV
-from .sampling import greedy_tokens, logits_to_probs, sample_from_probs
+from .sampling import greedy_tokens, logits_to_probs
 
 
 @dataclass
@@ -117,7 +118,7 @@ def propose(draft: BatchKV, rows: RowState, k: int, vocab: int, u_draft: torch.T
             x = greedy_tokens(raw[-1])  # [B]
         else:
             q = row_probs(raw[-1][:, None], rows)[:, 0]  # [B, V]
-            x = sample_from_probs(q, u_draft[:, j])  # [B]
+            x = inverse_cdf_sample(q, u_draft[:, j])  # [B] the accept rule's own sampler: the q it is given
             probs.append(q)
         tokens.append(x)
         inp, inp_valid = x[:, None], (j + 1 < rows.k)[:, None]

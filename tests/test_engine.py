@@ -134,7 +134,7 @@ def test_sampled_rows_process_p_and_q_alike(pair, tok, reference, monkeypatch):
     """temperature, top-k and top-p reach the draft's q exactly as the target's p (spec.row_probs with
     each row's own params), and every proposal is the inverse-CDF sample of the q verification gets."""
     from osd_serve import spec
-    from osd_serve.sampling import sample_from_probs
+    from kernels.verify import inverse_cdf_sample
 
     arch, target, draft = pair
     prompts, _ = reference
@@ -144,7 +144,7 @@ def test_sampled_rows_process_p_and_q_alike(pair, tok, reference, monkeypatch):
     def propose(kv, rows, k, vocab, u):
         tokens, probs, logits = real_propose(kv, rows, k, vocab, u)  # [B, k], [B, k, V], [B, k, V]
         assert probs is not None and torch.equal(probs, spec.row_probs(logits, rows))
-        assert torch.equal(tokens, sample_from_probs(probs.flatten(0, 1), u.flatten()).view_as(tokens))
+        assert torch.equal(tokens, inverse_cdf_sample(probs.flatten(0, 1), u.flatten()).view_as(tokens))
         sampled = probs[rows.temperature > 0]  # [S, k, V]
         seen["filtered"] += int(((sampled == 0).sum(-1) > 0).sum())  # top-k/top-p cut these rows
         seen["q"] += 1
@@ -187,7 +187,7 @@ def test_batch_one_caches_never_hold_holes_and_greedy_proposals_are_the_argmax(p
     skips the per-token processing: its tokens must be what row_probs and sampling would give, and it
     returns no q (accept() verifies an all-greedy batch from the tokens alone)."""
     from osd_serve import spec
-    from osd_serve.sampling import sample_from_probs
+    from kernels.verify import inverse_cdf_sample
 
     arch, target, draft = pair
     prompts, refs = reference
@@ -198,7 +198,7 @@ def test_batch_one_caches_never_hold_holes_and_greedy_proposals_are_the_argmax(p
         tokens, probs, logits = real(kv, rows, k, vocab, u)  # [B, k], [B, k, V], [B, k, V]
         q = spec.row_probs(logits, rows)  # [B, k, V] the general path's processing
         assert probs is None and bool((q.amax(-1) == 1).all())  # greedy: q would be one-hot
-        assert torch.equal(tokens, sample_from_probs(q.flatten(0, 1), u.flatten()).view_as(tokens))
+        assert torch.equal(tokens, inverse_cdf_sample(q.flatten(0, 1), u.flatten()).view_as(tokens))
         seen.append(k)
         return tokens, probs, logits
 

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from osd_serve.sampling import apply_top_k_top_p, greedy_tokens, logits_to_probs, sample_from_probs
+from kernels.verify import inverse_cdf_sample
+from osd_serve.sampling import apply_top_k_top_p, greedy_tokens, logits_to_probs
 
 
 def _row_reference(logits: torch.Tensor, t: float, k: int, p: float) -> torch.Tensor:
@@ -146,36 +147,36 @@ def test_top_k_keeps_ties_at_threshold():
     assert torch.isfinite(out).tolist() == [[False, True, True, True, False]]
 
 
-def test_sample_from_probs_pinned():
+def test_inverse_cdf_sample_pinned():
     probs = torch.tensor([[0.2, 0.3, 0.5]] * 4)  # [4, 3]
     u = torch.tensor([0.0, 0.19, 0.21, 0.51])
-    assert sample_from_probs(probs, u).tolist() == [0, 0, 1, 2]
+    assert inverse_cdf_sample(probs, u).tolist() == [0, 0, 1, 2]
     sparse = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]] * 4)  # [4, 5] zero-mass tokens never chosen
     u = torch.tensor([0.0, 0.49, 0.51, 1.0])  # 1.0 stands in for u*total rounding up to total
-    tokens = sample_from_probs(sparse, u)
+    tokens = inverse_cdf_sample(sparse, u)
     assert tokens.dtype == torch.int64 and tokens.tolist() == [1, 1, 3, 3]
     unnormalised = torch.tensor([[2.0, 0.0, 6.0]])  # [1, 3]
-    assert sample_from_probs(unnormalised, torch.tensor([0.26])).tolist() == [2]
+    assert inverse_cdf_sample(unnormalised, torch.tensor([0.26])).tolist() == [2]
 
 
-def test_sample_from_probs_histogram():
+def test_inverse_cdf_sample_histogram():
     gen = torch.Generator().manual_seed(3)
     v, n = 8, 100_000
     p = torch.randn(v, generator=gen).softmax(-1)  # [V]
-    tokens = sample_from_probs(p.expand(n, v), torch.rand(n, generator=gen))  # [n]
+    tokens = inverse_cdf_sample(p.expand(n, v), torch.rand(n, generator=gen))  # [n]
     hist = torch.bincount(tokens, minlength=v).float() / n  # [V]
     assert 0.5 * (hist - p).abs().sum() < 0.01
 
 
-def test_sample_from_probs_is_the_exact_inverse_cdf_at_a_real_vocab():
-    """The draft's sampler must draw from the q the accept rule is told. Over a 152k vocab (Qwen2.5's) a
+def test_inverse_cdf_sample_is_the_exact_inverse_cdf_at_a_real_vocab():
+    """The draft's sampler (spec.propose) must draw from the q the accept rule is told. Over a 152k vocab (Qwen2.5's) a
     float32 running sum drifted: with half the mass on one token and a flat tail, the q' it sampled was
     1.25e-3 (total variation) from q, and 5 of these 400 uniforms picked another token than the exact one."""
     v = 152_064
     q = torch.full((1, v), 0.5 / (v - 1))  # [1, V]
     q[0, 0] = 0.5
     u = torch.linspace(0.0, 0.999, 400)  # [U]
-    got = torch.cat([sample_from_probs(q.expand(len(c), v), c) for c in u.split(50)])  # [U], 50 rows at a time: [50, V] float64 cdfs
+    got = torch.cat([inverse_cdf_sample(q.expand(len(c), v), c) for c in u.split(50)])  # [U], 50 rows at a time: [50, V] float64 cdfs
     cdf = q[0].double().cumsum(0)  # [V] exact to ~1e-16
     want = torch.searchsorted(cdf, u.double() * cdf[-1], right=True)  # first index whose mass exceeds u * total
     assert torch.equal(got, want), f"{int((got != want).sum())} of {len(u)} uniforms picked another token"
@@ -187,7 +188,7 @@ def test_an_overflowed_logit_holds_the_rows_mass():
     temp, k, p = torch.tensor([1.0, 0.7]), torch.tensor([0, 2]), torch.tensor([1.0, 0.9])
     probs = logits_to_probs(logits, temp, k, p)
     assert torch.equal(probs, torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.0, 0.5, 0.0, 0.5]]))
-    toks = sample_from_probs(probs.repeat(50, 1), torch.rand(100))
+    toks = inverse_cdf_sample(probs.repeat(50, 1), torch.rand(100))
     assert set(toks[0::2].tolist()) == {2} and set(toks[1::2].tolist()) <= {1, 3}
 
 

@@ -24,7 +24,7 @@ import pytest  # noqa: E402
 import kernels  # noqa: E402
 from kernels.verify import inverse_cdf_sample, verify_greedy, verify_reference  # noqa: E402
 from kernels.verify_triton import verify_triton  # noqa: E402
-from osd_serve.sampling import greedy_tokens, logits_to_probs, sample_from_probs  # noqa: E402
+from osd_serve.sampling import greedy_tokens, logits_to_probs  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if not kernels.HAS_TRITON:
@@ -264,7 +264,7 @@ def speculative_draws(n, k, v, seed, num_draft=None, draft_noise=None):
     p, q = p_logits.softmax(-1), q_logits.softmax(-1)  # [k+1, V], [k, V]
     draft_u = torch.rand(n, k, generator=gen)  # [n, k]
     draft_tokens = torch.stack(
-        [sample_from_probs(q[j].expand(n, v), draft_u[:, j]) for j in range(k)], dim=1
+        [inverse_cdf_sample(q[j].expand(n, v), draft_u[:, j]) for j in range(k)], dim=1
     )  # [n, k] x_j ~ q_j
     if num_draft is None:
         num_draft = torch.full((n,), k)
@@ -347,7 +347,7 @@ def random_inputs(b, k, v, kind, seed):
         n_d = b * k  # same params on the draft side, as the engine does
         draft = logits_to_probs(d_logits.reshape(-1, v), ones[:n_d], top_k[:n_d], ones[:n_d]).reshape(b, k, v)
         u = torch.rand(b * k, generator=gen)
-        draft_tokens = sample_from_probs(draft.reshape(-1, v), u).reshape(b, k)  # [B, k] x ~ q
+        draft_tokens = inverse_cdf_sample(draft.reshape(-1, v), u).reshape(b, k)  # [B, k] x ~ q
     num_draft = torch.randint(0, k + 1, (b,), generator=gen)  # [B]
     num_draft[0] = k  # at least one full-length row
     # Positions >= k_i are ignored, so callers may pad them; -1 would break any stray gather.
