@@ -75,6 +75,10 @@ fi
   printf 'Its pairs were built there (bootstrap chose bf16 autocast), so they are other weights than this host'"'"'s. In bf16,\n'
   printf 'v is 1.06-1.16 at batch 1 and 1.15-1.78 at batch 8; the data pair reaches (c)/(a) 1.55-1.72 at batch 8 for\n'
   printf 'k >= 2, and measured/analytic at batch 1 is 0.83-0.90 over k. Batch 8 still reads 0.46-0.71 of S: besides v,\n'
-  printf 'prefill (11-22%% of the engine'"'"'s time) and the tail of the batch (16 prompts in 8 slots: 5.9-7.8 rows a step).\n\n'
+  printf 'prefill (11-22%% of the engine'"'"'s time) and the tail of the batch (16 prompts in 8 slots: 5.9-7.8 rows a step).\n'
+  printf 'A longer generation does not close batch 1'"'"'s gap: engine_default_pair_bf16_amx_t128 is the default pair in\n'
+  printf 'bf16 at 128 tokens, batch 1 only (`osd-serve bench --dtype bfloat16 --threads 2 --repeats 3 --max-tokens 128 --batch-sizes 1`):\n'
+  printf 'prefill falls to 2.4%% and tokens per forward to 0.95 of i.i.d., but v and the context grow,\n'
+  printf 'and measured/analytic reads 0.83 at its best k (0.79-0.91 over k) against 0.84 at 64 tokens.\n\n'
   python -m osd_serve.bench "$out"/engine_*.json
 } | tee benchmarks/ENGINE.md
