@@ -50,8 +50,9 @@ MIN_ROWS_BF16 = 1
 
 
 # float32 on an AVX-512 CPU: up to this many rows go to kernels/cpu_skinny.cpp (decode steps, batch-1
-# verifications, batch-8 ones up to k=5), whatever the weight's size. On the CI host it beat oneDNN's
-# packed path by 1.4x at 16 rows, 1.1x at 40, was even at 56 and 3% slower at 72
+# verifications, batch-8 ones up to k=5), whatever the weight's size. On the CI host a batch-8 forward of
+# the default target on it beat oneDNN's packed path by 1.27x at 16 rows, 1.14x at 32 and 1.08x at 48
+# (per matrix at 48 rows it took 0.85-1.01x oneDNN's time; benchmarks/results/cpu_linear.jsonl)
 SKINNY_MAX_ROWS = 48
 BUILD_WAIT_S = 600  # a build takes ~30 s
 

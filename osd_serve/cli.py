@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--max-tokens", type=_at_least(1), default=64)
     g.add_argument("--num-speculative-tokens", type=int, default=4)
     g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-k", type=int, default=0, help="0 or -1: disabled")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None, help="seed of the first prompt; prompt i uses seed+i")
     g.add_argument("--batch-size", type=_at_least(1), default=8)

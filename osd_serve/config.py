@@ -43,7 +43,7 @@ class SamplingParams:
     # output.fit_max_tokens); the chat API's default, as OpenAI's and vLLM's.
     max_tokens: int | None = 64
     temperature: float = 0.0
-    top_k: int = 0  # 0 disables
+    top_k: int = 0  # 0 disables, and so does -1 (vLLM's spelling, which its clients send)
     top_p: float = 1.0  # 1.0 disables
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
@@ -58,7 +58,7 @@ class SamplingParams:
         _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
                "an integer >= 1 (or None: the rest of the context)", self.max_tokens)
         _check(lambda t: 0.0 <= t <= FLOAT32_MAX, "temperature", ">= 0 and finite in float32", self.temperature)
-        _check(_is_int(self.top_k) and 0 <= self.top_k < TOP_K_LIMIT, "top_k", "an integer in [0, 2**31) (0 disables)", self.top_k)
+        _check(_is_int(self.top_k) and -1 <= self.top_k < TOP_K_LIMIT, "top_k", "an integer in [-1, 2**31) (0 or -1 disables)", self.top_k)
         _check(self.seed is None or (_is_int(self.seed) and SEED_RANGE[0] <= self.seed < SEED_RANGE[1]), "seed",
                "a 64-bit integer, in [-2**63, 2**63)", self.seed)
         _check(lambda p: 0.0 < p <= 1.0, "top_p", "in (0, 1]", self.top_p)

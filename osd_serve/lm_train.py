@@ -30,7 +30,7 @@ def use_bf16_autocast() -> bool:
     """Whether training and the target's continuations run under bf16 autocast: only where the
     CPU has native bf16 *and* it is measurably faster here. Native bf16 is not enough: with AMX,
     bf16 matmuls ran ~1.6x faster than fp32, but on an AVX512-BF16 host without AMX a training step
-    was ~1.5x *slower* (target 1.46 vs 0.90 s), which pushed the default build from ~9 to ~16
+    was ~1.6x *slower* (target 1.46 vs 0.90 s), which pushed the default build from ~9 to ~16
     minutes. So time one training-shaped linear, forward and backward, both ways (~0.5 s, once per
     process), and keep fp32 unless bf16 wins by 10%."""
     if not _cpu_has_bf16():

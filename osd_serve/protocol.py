@@ -109,7 +109,7 @@ class _Sampling(_Strict):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         k = default_k if self.num_speculative_tokens is None else self.num_speculative_tokens
         return SamplingParams(
-            max_tokens=self._limit() or default_max_tokens, temperature=self.temperature, top_k=max(self.top_k, 0),
+            max_tokens=self._limit() or default_max_tokens, temperature=self.temperature, top_k=self.top_k,
             top_p=self.top_p, stop=stop, seed=self.seed, ignore_eos=self.ignore_eos, num_speculative_tokens=k,
         )
 

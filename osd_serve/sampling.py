@@ -18,7 +18,7 @@ import torch
 
 def apply_top_k_top_p(
     logits: torch.Tensor,  # [N, V] float32, already divided by temperature
-    top_k: torch.Tensor,  # [N] int64, 0 or >= V disables
+    top_k: torch.Tensor,  # [N] int64, <= 0 or >= V disables
     top_p: torch.Tensor,  # [N] float, 1.0 disables
 ) -> torch.Tensor:  # [N, V] float32, dropped tokens set to -inf
     """Mask logits outside top-k, then outside the top-p nucleus; one sort for both.
@@ -55,7 +55,7 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:  # [..., V] any float d
 def logits_to_probs(
     logits: torch.Tensor,  # [N, V] any float dtype
     temperature: torch.Tensor,  # [N] float, 0 means greedy
-    top_k: torch.Tensor,  # [N] int64, 0 or >= V disables
+    top_k: torch.Tensor,  # [N] int64, <= 0 or >= V disables
     top_p: torch.Tensor,  # [N] float in (0, 1], 1.0 disables
 ) -> torch.Tensor:  # [N, V] float32
     """Per-row temperature, top-k, top-p, softmax; greedy rows become one-hot(argmax)."""

@@ -272,6 +272,7 @@ def test_bad_input_is_rejected_with_the_field_named(tok):
         ({"max_tokens": 0}, "max_tokens"),
         ({"temperature": -1.0}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
+        ({"top_k": -2}, "top_k"),  # -1 disables, as 0 does (vLLM's spelling); below it is refused
         ({"num_speculative_tokens": 99}, "num_speculative_tokens"),
         ({"stop": [""]}, "stop"),
     ]:
