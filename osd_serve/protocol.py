@@ -246,10 +246,33 @@ def parse_request(raw: bytes, model: type[BaseModel]) -> BaseModel:
     try:
         req = model.model_validate(data)
     except ValidationError as e:
+        # Only on the error path: the walk costs ~0.1 us per list item, and a prompt of token ids is long.
+        if any(err["type"] == "string_unicode" for err in e.errors()) and (bad := _bad_key(data)) is not None:
+            raise RequestError(f"{bad}: an object key that is not valid Unicode text (a lone surrogate)", bad) from None
         raise validation_error(e.errors()) from None
     if req.stream_options is not None and not req.stream:
         raise RequestError("stream_options: only allowed when stream is true", "stream_options")
     return req
+
+
+def _bad_key(data) -> str | None:
+    """The path of the first object key holding a lone surrogate, written with it escaped, else None.
+    pydantic refuses such a key without saying where ("unable to parse raw data as a unicode string"),
+    and the key cannot be echoed as it is: the answer's JSON could not be encoded. Iterative: the
+    body may nest as deep as json.loads allows."""
+    stack = [([], data)]
+    while stack:
+        path, obj = stack.pop()
+        if isinstance(obj, dict):
+            for key, value in obj.items():
+                name = key.encode("utf-8", "backslashreplace").decode("utf-8")
+                if name != key:
+                    return ".".join(path + [name])
+                if isinstance(value, (dict, list)):
+                    stack.append((path + [key], value))
+        else:  # a list: only its containers have keys (a long list of token ids has none)
+            stack.extend((path + [str(i)], v) for i, v in enumerate(obj) if isinstance(v, (dict, list)))
+    return None
 
 
 def validation_error(errors: list[dict]) -> RequestError:

@@ -103,6 +103,8 @@ def test_router_picks_experts_and_explicit_expert_wins(client):
     ({"prompt": [10**20]}, "prompt"),
     ({"prompt": "ab\udc80cd"}, "prompt"),  # a lone surrogate: the tokenizer's TypeError was a 500
     ({"prompt": "x", "stop": ["\ud800"]}, "stop"),
+    ({"prompt": "x", "\ud800": 1}, "\\ud800"),  # an unknown key that is not Unicode: pydantic's 400 named nothing
+    ({"prompt": "x", "stream_options": {"a\udc80": 1}}, "stream_options.a\\udc80"),
     ({"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty"),
     ({"prompt": "x", "echo": True}, "echo"),
     ({"prompt": "x", "best_of": 2}, "best_of"),
