@@ -6,7 +6,7 @@
 # cost up to 2x its 1-row GEMV while oneDNN's bf16 GEMM was flat in the row count (what speculation's
 # one-forward verification assumes), on another (AVX512-BF16, no AMX) bf16 was the slower of the two
 # (0.74-0.86x fp32), about even (0.85-1.00x) once the target's linears were prepacked (kernels/
-# cpu_linear.py), and 0.74-0.83x at the best k once fp32's few-row calls went to kernels/cpu_skinny.cpp; each
+# cpu_linear.py), and 0.67-0.83x at the best k once fp32's few-row calls went to kernels/cpu_skinny.cpp; each
 # report records its CPU (benchmarks/ENGINE.md). DTYPES="float32" (or "bfloat16") runs one only.
 # A third pair, big_random_pair, asks whether the engine's shortfalls come from the pairs' size: a
 # 189M-parameter target (755 MB in float32, past this host's 260 MB L3, so a decode step streams its
@@ -68,12 +68,12 @@ fi
   printf 'v 1.31-2.19 and (c)/(a) 1.05-1.08. Its linears of 8 rows cost 1.24x those of 1 row since kernels/cpu_skinny.cpp\n'
   printf 'streams the next weight block during a block'"'"'s later tiles (1.50x before; results/cpu_linear_big_random.jsonl),\n'
   printf 'which sped up the target alone at batch 8 more than the engine. A GPU is the machine speculation is built for: an H200 reads 4.8 TB/s against\n'
-  printf '~990 TFLOP/s of bf16, ~200 FLOP per byte, and there measured/analytic is 0.94-0.99 at batch 1 (GPU.md).\n\n'
+  printf '~990 TFLOP/s of bf16, ~200 FLOP per byte, and there measured/analytic is 0.94-0.99 at batch 1 in GPU.md'"'"'s 3-round run (k 1-4).\n\n'
   printf 'The `_amx` reports come from another host (TAG=_amx): the same 2 cores with AMX, whose tiles make a bf16\n'
   printf 'forward nearly flat in its rows. The default target at batch 8 costs 1.33x its 1-token step with 4 tokens\n'
   printf 'per row and 1.68x with 9 in bf16, 1.65x and 2.61x in float32 on the skinny kernel (results/cpu_linear_amx.jsonl).\n'
   printf 'Its pairs were built there (bootstrap chose bf16 autocast), so they are other weights than this host'"'"'s. In bf16,\n'
-  printf 'v is 1.06-1.16 at batch 1 and 1.15-1.78 at batch 8; the data pair reaches (c)/(a) 1.55-1.72 at batch 8 for\n'
+  printf 'v is 1.06-1.16 at batch 1 and 1.15-1.78 at batch 8 (64 tokens); the data pair reaches (c)/(a) 1.55-1.72 at batch 8 for\n'
   printf 'k >= 2, and measured/analytic at batch 1 is 0.83-0.90 over k. Batch 8 still reads 0.46-0.71 of S: besides v,\n'
   printf 'prefill (11-22%% of the engine'"'"'s time) and the tail of the batch (16 prompts in 8 slots: 5.9-7.8 rows a step).\n'
   printf 'A longer generation does not close batch 1'"'"'s gap: engine_default_pair_bf16_amx_t128 is the default pair in\n'

@@ -3,15 +3,15 @@ where that is faster than ``F.linear`` (the torch reference, which every other c
 
 Why: a verification forward multiplies every weight matrix by batch x (k+1) rows, 2 to 72 here.
 PyTorch's float32 ``F.linear`` on CPU calls MKL sgemm, whose kernel for such skinny inputs is slow:
-on the 2-core CI host, a [16, 512] x [512, 1408] product takes 231 us with it and 99 us with oneDNN on
-a prepacked weight (1.1-2.3x at 16-48 rows, about even at 72); for a 25 MB weight MKL streams the
-matrix once per 3 rows (m = 1..3: 0.45 ms, 4..6: 0.88 ms, 7..9: 1.3 ms) where oneDNN reads it once
-(0.50 ms up to m = 6). For 1 to ~12 rows of a small matrix MKL wins instead (oneDNN costs ~15 us
+on the 2-core CI host, a [16, 512] x [512, 1408] product takes 242 us with it and 142 us with oneDNN on
+a prepacked weight (1.05-2.2x at 16-48 rows, 1.06-1.27x at 72); for a 25 MB weight MKL streams the
+matrix once per 3 rows (m = 1..3: 0.47-0.49 ms, 4..6: 0.97-0.98 ms, 8: 1.46 ms) where oneDNN reads it
+once (0.56-0.63 ms up to m = 6; benchmarks/results/cpu_linear.jsonl). For 1 to ~12 rows of a small matrix MKL wins instead (oneDNN costs ~15 us
 more per call), so the choice is by row count (``benchmarks/cpu_linear.py`` prints the table this
 rule comes from). On an AVX-512 CPU, float32 calls of up to 48 rows take ``kernels/cpu_skinny.cpp``
 instead (decode steps, verifications up to 48 tokens in all): it reads each weight from memory once
-for all rows with the loads prefetched, which neither library does at these counts (a 5-token target
-forward costs 1.13x a 1-token one with it, 1.37x without), and its per-row results do not depend on
+for all rows with the loads prefetched, which neither library does at these counts (a 4-token target
+forward costs 1.14x a 1-token one with it, 1.37x without), and its per-row results do not depend on
 the row count, so a verification of up to 48 rows sees bit-for-bit the linear outputs a one-token
 step sees. The two oneDNN ops are the ones
 PyTorch's own Inductor emits for a frozen CPU linear (``mkldnn._reorder_linear_weight`` +
@@ -52,7 +52,7 @@ MIN_ROWS_BF16 = 1
 # float32 on an AVX-512 CPU: up to this many rows go to kernels/cpu_skinny.cpp (decode steps, batch-1
 # verifications, batch-8 ones up to k=5), whatever the weight's size. On the CI host a batch-8 forward of
 # the default target on it beat oneDNN's packed path by 1.27x at 16 rows, 1.14x at 32 and 1.08x at 48
-# (per matrix at 48 rows it took 0.85-1.01x oneDNN's time; benchmarks/results/cpu_linear.jsonl)
+# (per matrix at 48 rows it took 0.99-1.18x oneDNN's time, the forward gained anyway; results/cpu_linear.jsonl)
 SKINNY_MAX_ROWS = 48
 BUILD_WAIT_S = 600  # a build takes ~30 s
 

@@ -5,8 +5,9 @@
 // Why by hand: at these row counts a forward is about one pass over the weights, and the libraries
 // do not hide the extra rows' multiply-adds behind that pass. MKL's sgemm reads the weight once per 3
 // rows and oneDNN's packed path costs more per call than a whole small matrix; on the 2-core CI host a
-// 30M-parameter target's forward over 5 tokens costs 1.37x one over 1 token with them and 1.13x with
-// this kernel, and over 16 rows its linears take 1.4x less time than on oneDNN. Each block of 4 weight
+// 30M-parameter target's forward over 4 tokens costs 1.37x one over 1 token with them and 1.14x with
+// this kernel, and its batch-8 forward over 16 rows takes 1.27x less time than on oneDNN
+// (results/cpu_linear.jsonl, measured before the next-block prefetch below). Each block of 4 weight
 // rows is read from memory once, prefetched 8 KB ahead into L2 and 512 B ahead into L1 so the loads
 // are in flight while the FMAs run, and used from cache for every 6-row tile of x (from L1 while 4 rows
 // of K floats fit, K <= ~3000; from L2 beyond); the blocks are split over ATen's own thread pool.
@@ -15,7 +16,7 @@
 // forward order of 8 rows cost 1.50x those of 1 row before and 1.24x with it (16 rows 1.87x -> 1.55x,
 // 32 rows 3.19x -> 2.56x; benchmarks/cpu_linear.py, results/cpu_linear_big_random.jsonl), and a whole
 // batch-8 forward 6-13% less; 1-6 rows take the same code as before. A target that sits in L3 (the 30M
-// default) is bound by the FMAs there and gains 5-8% at 8-24 rows.
+// default) is bound by the FMAs there, so the prefetch matters less for it (not remeasured on that host).
 //
 // Every output element is summed in the same order whatever M is (16 lanes along K, then one fixed
 // horizontal reduction), so a row's result does not depend on which other rows share the call: a
