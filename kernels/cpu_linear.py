@@ -3,17 +3,17 @@ where that is faster than ``F.linear`` (the torch reference, which every other c
 
 Why: a verification forward multiplies every weight matrix by batch x (k+1) rows, 2 to 72 here.
 PyTorch's float32 ``F.linear`` on CPU calls MKL sgemm, whose kernel for such skinny inputs is slow:
-on the 2-core CI host, a [16, 512] x [512, 1408] product takes 242 us with it and 142 us with oneDNN on
-a prepacked weight (1.05-2.2x at 16-48 rows, 1.06-1.27x at 72); for a 25 MB weight MKL streams the
-matrix once per 3 rows (m = 1..3: 0.47-0.49 ms, 4..6: 0.97-0.98 ms, 8: 1.46 ms) where oneDNN reads it
-once (0.56-0.63 ms up to m = 6; benchmarks/results/cpu_linear.jsonl). For 1 to ~12 rows of a small matrix MKL wins instead (oneDNN costs ~15 us
-more per call), so the choice is by row count (``benchmarks/cpu_linear.py`` prints the table this
-rule comes from). On an AVX-512 CPU, float32 calls of up to 48 rows take ``kernels/cpu_skinny.cpp``
-instead (decode steps, verifications up to 48 tokens in all): it reads each weight from memory once
-for all rows with the loads prefetched, which neither library does at these counts (a 4-token target
-forward costs 1.14x a 1-token one with it, 1.37x without), and its per-row results do not depend on
-the row count, so a verification of up to 48 rows sees bit-for-bit the linear outputs a one-token
-step sees. The two oneDNN ops are the ones
+on the 2-core CI host, a [16, 512] x [512, 1408] product takes 242 us with it and 142 us with oneDNN
+on a prepacked weight (1.05-2.2x at 16-48 rows, 1.06-1.27x at 72); for a 25 MB weight MKL streams
+the matrix once per 3 rows (m = 1..3: 0.47-0.49 ms, 4..6: 0.97-0.98 ms, 8: 1.46 ms) where oneDNN
+reads it once (0.56-0.63 ms up to m = 6; benchmarks/results/cpu_linear.jsonl). For 1 to ~12 rows of
+a small matrix MKL wins instead (oneDNN costs ~15 us more per call), so the choice is by row count
+(``benchmarks/cpu_linear.py`` prints the table this rule comes from). On an AVX-512 CPU, float32
+calls of up to 48 rows take ``kernels/cpu_skinny.cpp`` instead (decode steps, verifications up to 48
+tokens in all): it reads each weight from memory once for all rows with the loads prefetched, which
+neither library does at these counts (a 4-token target forward costs 1.14x a 1-token one with it,
+1.37x without), and its per-row results do not depend on the row count, so a verification of up to
+48 rows sees bit-for-bit the linear outputs a one-token step sees. The two oneDNN ops are the ones
 PyTorch's own Inductor emits for a frozen CPU linear (``mkldnn._reorder_linear_weight`` +
 ``mkldnn._linear_pointwise``); we call them directly because compiling a model whose KV cache grows
 every step recompiles on each new length.
