@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from osd_serve.bench import summary_table
+from osd_serve.bench_report import summary_table
 
 
 def _cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
