@@ -46,7 +46,7 @@ TAUS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.7)
 def teacher_forced(report: dict) -> list[dict]:
     """Per prompt: conf [n] float (draft's top probability) and match [n] bool, over the target's output."""
     target, draft, tok = load_pair(ModelConfig(target=report["target"], draft=report["draft"], dtype=report["dtype"],
-                                               device=report["device"]))
+                                               draft_dtype=report.get("draft_dtype", report["dtype"]), device=report["device"]))
     prompts = _read_prompts(str(Path(report["target"]).parent / "prompts.jsonl"))[: report["prompts"]]
     ids = [tok.encode(p) for p in prompts]
     outs = SpecEngine(target, draft, tok, EngineConfig(max_batch_size=8)).generate(

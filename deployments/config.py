@@ -103,6 +103,9 @@ class AppConfig(_Strict):
     target: str | None = None  # local dir or hub id; both None: the embedded default pair (built if missing)
     draft: str | None = None
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # auto: the target's dtype, except float32 under a bfloat16/float16 target on CPU (faster there,
+    # loading.ModelConfig.resolved_draft_dtype)
+    draft_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = "auto"
     # CPU only: the target's linear layers use oneDNN on prepacked weights where that is faster, and
     # kernels/cpu_skinny.cpp for float32 calls of <= 48 rows on AVX-512 (kernels/cpu_linear.py; one

@@ -49,7 +49,8 @@ def _load(cfg: AppConfig, role: str):
     # as load_pair does in the colocated topology: a replica with a mismatched pair never starts
     check_same_vocab(load_tokenizer(mc.target), load_tokenizer(mc.draft, "draft"))
     vocab, max_len = pair_limits(mc.target, mc.draft, cfg.max_model_len)
-    model = load_model(mc.target if role == "target" else mc.draft, role, mc.resolved_device(), mc.resolved_dtype())
+    dtype = mc.resolved_dtype() if role == "target" else mc.resolved_draft_dtype()
+    model = load_model(mc.target if role == "target" else mc.draft, role, mc.resolved_device(), dtype)
     if role == "target":
         pack_target(model, mc)
     return model, vocab, max_len

@@ -397,6 +397,7 @@ def run_bench(
         # stops early below the confidence threshold, whatever the engine's k
         "hf_assisted_settings": hf_assisted_settings(draft),
         "dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
+        "draft_dtype": str(next(draft.parameters()).dtype).removeprefix("torch."),
         "cpu": cpu_info(),
         "threads": torch.get_num_threads(),
         "prompts": len(prompts),

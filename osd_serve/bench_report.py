@@ -32,7 +32,9 @@ def summary_table(report: dict, title: str) -> str:
     rows = [
         f"### {title}",
         f"target {report['target_params'] / 1e6:.1f}M params, draft {report['draft_params'] / 1e6:.2f}M, "
-        f"{report['prompts']} prompts x {report['max_tokens']} tokens, {report['device']} {report.get('dtype', 'float32')}, "
+        f"{report['prompts']} prompts x {report['max_tokens']} tokens, {report['device']} {report.get('dtype', 'float32')}"
+        + (f" (draft {d})" if (d := report.get("draft_dtype", report.get("dtype"))) != report.get("dtype") else "")
+        + ", "
         f"{report['threads']} threads, "
         + (f"target linears on oneDNN prepacked weights ({n}), " if (n := report.get("target_packed_linears")) else "")
         + (f"float32 calls of <= {SKINNY_MAX_ROWS} rows on kernels/cpu_skinny.cpp, " if report.get("target_skinny_kernel") else "")

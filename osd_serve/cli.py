@@ -85,6 +85,8 @@ def _pair_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help="target model: local directory or hub id (default: the embedded default pair)")
     p.add_argument("--draft", help="draft model: local directory or hub id (default: the embedded default pair)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--draft-dtype", default="auto",
+                   help="auto (the target's, except float32 under a half-precision target on CPU) | float32 | bfloat16 | float16")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--no-packed-linear", dest="packed_linear", action="store_false",
                    help="on CPU, keep the target's linear layers on F.linear (default: oneDNN prepacked weights, and kernels/cpu_skinny.cpp for float32 calls of <= 48 rows, where faster)")
@@ -101,8 +103,8 @@ def _load(args):
         pair = build_pair()
         args.target, args.draft = pair["target"], pair["draft"]
     try:
-        return load_pair(ModelConfig(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device,
-                                     cpu_packed_linear=args.packed_linear))
+        return load_pair(ModelConfig(target=args.target, draft=args.draft, dtype=args.dtype, draft_dtype=args.draft_dtype,
+                                     device=args.device, cpu_packed_linear=args.packed_linear))
     except ValueError as e:
         raise SystemExit(f"error: {e}")
 

@@ -37,7 +37,8 @@ def model_config(cfg):
     from .loading import ModelConfig
 
     target, draft = model_paths(cfg)
-    return ModelConfig(target=target, draft=draft, dtype=cfg.dtype, device=cfg.device, cpu_packed_linear=cfg.cpu_packed_linear)
+    return ModelConfig(target=target, draft=draft, dtype=cfg.dtype, draft_dtype=cfg.draft_dtype, device=cfg.device,
+                       cpu_packed_linear=cfg.cpu_packed_linear)
 
 
 def load_models(cfg):

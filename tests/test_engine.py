@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -97,6 +98,22 @@ def test_draft_equal_to_target_accepts_everything(pair, tok, reference, k):
     for o in outs:
         assert o.steps == 4  # every target forward yielded k+1 tokens
         assert o.tokens_per_step == k + 1
+
+
+def test_a_draft_in_another_dtype_changes_nothing_but_speed(pair, tok, reference):
+    """The draft may run in another dtype than the target (ModelConfig.draft_dtype: float32 under a
+    bfloat16 target on CPU): greedy output is still the target's own, and sampled rows still run."""
+    arch, target, draft = pair
+    prompts, refs = reference
+    half = copy.deepcopy(draft).to(torch.bfloat16)
+    stats = []
+    eng = SpecEngine(target, half, tok, EngineConfig(max_batch_size=4))
+    outs = eng.generate(prompts[:12], SamplingParams(max_tokens=MAX_TOKENS, num_speculative_tokens=3, ignore_eos=True), stats=stats)
+    assert count_mismatches(target, prompts[:12], [o.token_ids for o in outs], refs[:12])[0] == 0
+    assert sum(s.accepted for s in stats) > 0  # the bfloat16 draft still agrees with the target
+    sampled = [SamplingParams(max_tokens=MAX_TOKENS, num_speculative_tokens=3, temperature=0.8, top_p=0.9, seed=i,
+                              ignore_eos=True) for i in range(4)]
+    assert all(len(o.token_ids) == MAX_TOKENS for o in eng.generate(prompts[:4], sampled))
 
 
 def test_rows_keep_their_own_acceptance(pair, tok, reference):

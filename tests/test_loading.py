@@ -45,9 +45,21 @@ def test_target_linears_packed_on_cpu_only_when_asked(saved_pair):
 
 
 def test_dtype_from_config(saved_pair):
+    """draft_dtype auto follows the target's dtype, except float32 under a half-precision target on CPU."""
     root, _ = saved_pair
-    target, _, _ = load_pair(ModelConfig(target=str(root / "target"), draft=str(root / "draft"), device="cpu", dtype="bfloat16"))
-    assert target.dtype == torch.bfloat16
+    pair = lambda **kw: load_pair(ModelConfig(target=str(root / "target"), draft=str(root / "draft"), device="cpu", **kw))  # noqa: E731
+    target, draft, _ = pair(dtype="bfloat16")
+    assert (target.dtype, draft.dtype) == (torch.bfloat16, torch.float32)
+    target, draft, _ = pair(dtype="bfloat16", draft_dtype="bfloat16")
+    assert (target.dtype, draft.dtype) == (torch.bfloat16, torch.bfloat16)
+    target, draft, _ = pair()
+    assert (target.dtype, draft.dtype) == (torch.float32, torch.float32)
+    cfg = ModelConfig(target="t", draft="d", device="cpu", dtype="float16")
+    assert cfg.resolved_draft_dtype() == torch.float32
+    cfg.device = "cuda"  # where a GPU is (not checked past __post_init__): the draft keeps the target's dtype
+    assert (cfg.resolved_dtype(), cfg.resolved_draft_dtype()) == (torch.float16, torch.float16)
+    with pytest.raises(ValueError, match="draft_dtype must be one of"):
+        ModelConfig(target="t", draft="d", device="cpu", draft_dtype="int8")
 
 
 def test_unreachable_hub_id_is_named(saved_pair):

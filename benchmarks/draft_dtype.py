@@ -1,0 +1,77 @@
+"""The draft's dtype under a half-precision target on CPU: the evidence behind ModelConfig.draft_dtype's
+``auto`` (float32 there). One loaded target, the same draft weights in the target's dtype and in
+float32, and for each: the draft's forward cost (alone, as ``osd-serve bench`` times c) and the
+engine's greedy tokens/s at a few k, in interleaved rounds (median), beside the engine at k=0.
+
+    python benchmarks/draft_dtype.py --pair ~/.cache/osd-serve/default-pair --out benchmarks/results/draft_dtype_amx.json
+
+Outputs must match between the two drafts' runs up to the target's numerical near-ties: the draft's
+dtype changes which tokens are proposed, never which are emitted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from osd_serve.bench import _engine_run, _timed, code_version, cpu_info, forward_cost
+from osd_serve.cli import _read_prompts
+from osd_serve.loading import ModelConfig, load_pair
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pair", type=Path, required=True, help="a bootstrap pair: target/, draft/ and prompts.jsonl")
+    ap.add_argument("--dtype", default="bfloat16", help="the target's dtype")
+    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--runs", default="1:3,1:5,8:2,8:3", help="batch:k pairs")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    load = lambda draft_dtype: load_pair(ModelConfig(  # noqa: E731
+        target=str(args.pair / "target"), draft=str(args.pair / "draft"), dtype=args.dtype, draft_dtype=draft_dtype, device="cpu"))
+    target, same, tok = load(args.dtype)
+    drafts = {args.dtype: same, "float32": load("float32")[1]}
+    ids = [tok.encode(p) for p in _read_prompts(str(args.pair / "prompts.jsonl"))[: args.num_prompts]]
+    ctx = int(statistics.median(map(len, ids))) + args.max_tokens // 2
+    vocab, cpu = target.get_output_embeddings().weight.shape[0], torch.device("cpu")
+    runs = [tuple(map(int, r.split(":"))) for r in args.runs.split(",")]
+    for d in drafts.values():  # warm-up
+        _engine_run(target, d, tok, ids[:1], 1, 4, 2)
+    tok_s, cost, outs = {}, {}, {}
+    for _ in tqdm(range(args.rounds), desc=f"{args.rounds} rounds"):
+        for bs in sorted({b for b, _ in runs}):
+            t1 = forward_cost(target, bs, ctx, vocab, cpu)
+            for name, d in drafts.items():
+                cost.setdefault((name, bs), []).append(forward_cost(d, bs, ctx, vocab, cpu) / t1)
+        for bs, k in [(b, 0) for b in sorted({b for b, _ in runs})] + runs:
+            for name, d in drafts.items() if k else [(args.dtype, same)]:
+                (res, _), dt = _timed(lambda: _engine_run(target, d, tok, ids, bs, args.max_tokens, k))
+                tok_s.setdefault((name, bs, k), []).append(sum(len(o.token_ids) for o in res) / dt)
+                outs.setdefault((name, bs, k), [o.token_ids for o in res])
+    rows = []
+    for bs, k in runs:
+        k0 = statistics.median(tok_s[(args.dtype, bs, 0)])
+        row = {"batch": bs, "k": k, "outputs_equal": outs[(args.dtype, bs, k)] == outs[("float32", bs, k)]}
+        for name in drafts:
+            m = statistics.median(tok_s[(name, bs, k)])
+            row[name] = {"c": statistics.median(cost[(name, bs)]), "tok_s": m, "over_k0": m / k0}
+        row["float32_over_" + args.dtype] = row["float32"]["tok_s"] / row[args.dtype]["tok_s"]
+        rows.append(row)
+        print(json.dumps(row))
+    report = {"pair": str(args.pair), "target_dtype": args.dtype, "rounds": args.rounds, "prompts": len(ids),
+              "max_tokens": args.max_tokens, "threads": args.threads, "cpu": cpu_info(), "code": code_version(), "rows": rows}
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
