@@ -46,7 +46,7 @@ def main() -> None:
     runs = [tuple(map(int, r.split(":"))) for r in args.runs.split(",")]
     for d in drafts.values():  # warm-up
         _engine_run(target, d, tok, ids[:1], 1, 4, 2)
-    tok_s, cost, outs = {}, {}, {}
+    tok_s, cost, outs, alpha = {}, {}, {}, {}
     for _ in tqdm(range(args.rounds), desc=f"{args.rounds} rounds"):
         for bs in sorted({b for b, _ in runs}):
             t1 = forward_cost(target, bs, ctx, vocab, cpu)
@@ -54,7 +54,8 @@ def main() -> None:
                 cost.setdefault((name, bs), []).append(forward_cost(d, bs, ctx, vocab, cpu) / t1)
         for bs, k in [(b, 0) for b in sorted({b for b, _ in runs})] + runs:
             for name, d in drafts.items() if k else [(args.dtype, same)]:
-                (res, _), dt = _timed(lambda: _engine_run(target, d, tok, ids, bs, args.max_tokens, k))
+                (res, stats), dt = _timed(lambda: _engine_run(target, d, tok, ids, bs, args.max_tokens, k))
+                alpha.setdefault((name, bs, k), sum(s.accepted for s in stats) / max(1, sum(s.accepted + s.rejected for s in stats)))
                 tok_s.setdefault((name, bs, k), []).append(sum(len(o.token_ids) for o in res) / dt)
                 outs.setdefault((name, bs, k), [o.token_ids for o in res])
     rows = []
@@ -63,7 +64,7 @@ def main() -> None:
         row = {"batch": bs, "k": k, "outputs_equal": outs[(args.dtype, bs, k)] == outs[("float32", bs, k)]}
         for name in drafts:
             m = statistics.median(tok_s[(name, bs, k)])
-            row[name] = {"c": statistics.median(cost[(name, bs)]), "tok_s": m, "over_k0": m / k0}
+            row[name] = {"c": statistics.median(cost[(name, bs)]), "alpha": alpha[(name, bs, k)], "tok_s": m, "over_k0": m / k0}
         row["float32_over_" + args.dtype] = row["float32"]["tok_s"] / row[args.dtype]["tok_s"]
         rows.append(row)
         print(json.dumps(row))
