@@ -3,7 +3,7 @@
 float32, and for each: the draft's forward cost (alone, as ``osd-serve bench`` times c) and the
 engine's greedy tokens/s at a few k, in interleaved rounds (median), beside the engine at k=0.
 
-    python benchmarks/draft_dtype.py --pair ~/.cache/osd-serve/default-pair --out benchmarks/results/draft_dtype_amx.json
+    python benchmarks/draft_dtype.py --pair ~/.cache/osd-serve/default-pair --out benchmarks/results/draft_dtype_default_pair_amx.json
 
 Outputs must match between the two drafts' runs up to the target's numerical near-ties: the draft's
 dtype changes which tokens are proposed, never which are emitted.
