@@ -29,6 +29,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pair", type=Path, required=True, help="a directory with target/ and draft/")
     ap.add_argument("--dtype", default="float32")
+    # auto: float32 under a half-precision target (ModelConfig.draft_dtype); the bfloat16 lines of
+    # results/interleave_cost_amx.jsonl predate it and ran a bfloat16 draft (--draft-dtype bfloat16)
+    ap.add_argument("--draft-dtype", default="auto")
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--context", type=int, default=65, help="cached tokens (the bench: median prompt + max_tokens/2)")
     ap.add_argument("--rounds", type=int, default=40)
@@ -36,7 +39,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     target, draft, _ = load_pair(ModelConfig(target=str(args.pair / "target"), draft=str(args.pair / "draft"),
-                                             dtype=args.dtype, device="cpu"))
+                                             dtype=args.dtype, draft_dtype=args.draft_dtype, device="cpu"))
     vocab = target.get_output_embeddings().weight.shape[0]
     k = args.k
     tkv, dkv = (filled_cache(m, 1, args.context, vocab, torch.device("cpu")) for m in (target, draft))
@@ -61,7 +64,8 @@ def main() -> None:
     ms = {name: statistics.median(v) * 1e3 for name, v in t.items()}
     alone = k * ms["draft_alone"] + ms["verify_alone"]
     in_step = ms["draft_first_in_step"] + (k - 1) * ms["draft_rest_in_step"] + ms["verify_in_step"]
-    print(json.dumps({"pair": str(args.pair), "dtype": args.dtype, "k": k, "context": args.context, "ms": ms,
+    draft_dtype = str(next(draft.parameters()).dtype).removeprefix("torch.")
+    print(json.dumps({"pair": str(args.pair), "dtype": args.dtype, "draft_dtype": draft_dtype, "k": k, "context": args.context, "ms": ms,
                       "step_ms_alone": alone, "step_ms_in_order": in_step, "extra_share_of_step": in_step / alone - 1}))
 
 

@@ -76,7 +76,7 @@ fi
   printf 'Its bf16 reports run the draft in float32 (header: "draft float32"; ModelConfig.draft_dtype, whose auto does so beside a\n'
   printf 'half-precision target on CPU): a 1-layer draft'"'"'s forward is mostly per-call work, which bf16 adds to, so c fell from\n'
   printf '0.16 to 0.11 at batch 1. The reports without that note ran a bf16 draft. Against the bf16-draft runs of the same pairs\n'
-  printf '(code 74695c9/f20902b), the best batch-1 (c)/(a) rose from 1.72 to 1.89 (default) and 2.50 to 2.75 (data), and (c)/(b)\n'
+  printf '(code f20902b/74695c9), the best batch-1 (c)/(a) rose from 1.72 to 1.89 (default) and 2.50 to 2.75 (data), and (c)/(b)\n'
   printf 'from 1.32 to 1.41 and 1.60 to 1.70; measured/analytic at the best k fell from 0.84 to 0.80 and 0.75, since S rises with\n'
   printf 'a smaller c while v, prefill and the loop cost what they did. Interleaved in one run (benchmarks/draft_dtype.py,\n'
   printf 'results/draft_dtype_*_amx.json) the float32 draft was 1.05-1.09x faster at batch 1 and 1.00-1.03x at batch 8.\n'
@@ -86,6 +86,6 @@ fi
   printf 'A longer generation does not close batch 1'"'"'s gap: engine_default_pair_bf16_amx_t128 is the default pair in\n'
   printf 'bf16 (its draft too) at 128 tokens, batch 1 only (`osd-serve bench --dtype bfloat16 --draft-dtype bfloat16 --threads 2 --repeats 3 --max-tokens 128 --batch-sizes 1`):\n'
   printf 'prefill falls to 2.4%% and tokens per forward to 0.95 of i.i.d., but v and the context grow,\n'
-  printf 'and measured/analytic reads 0.83 at its best k (0.79-0.91 over k) against 0.84 at 64 tokens.\n\n'
+  printf 'and measured/analytic reads 0.83 at its best k (0.79-0.91 over k) against 0.84 at 64 tokens (bf16 draft).\n\n'
   python -m osd_serve.bench "$out"/engine_*.json
 } | tee benchmarks/ENGINE.md

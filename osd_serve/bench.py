@@ -196,7 +196,7 @@ class DecoderResult:
         return self.tokens / self.seconds
 
 
-def _timed(fn):
+def timed(fn):
     t0 = time.perf_counter()
     out = fn()
     return out, time.perf_counter() - t0
@@ -218,7 +218,7 @@ def _uncut_tokens_per_forward(stats, k: int) -> float | None:
     return (sum(s.accepted for s in full) + rows) / rows if rows else None
 
 
-def _engine_run(target, draft, tok, ids, batch: int, max_tokens: int, k: int):
+def engine_run(target, draft, tok, ids, batch: int, max_tokens: int, k: int):
     """One engine run over all prompts, a fresh engine each time: (completions, per-step stats)."""
     eng = SpecEngine(target, draft, tok, EngineConfig(max_batch_size=batch))
     stats: list = []
@@ -267,13 +267,13 @@ def run_bench(
             "b": lambda: (hf_generate(target, tok, ids, max_tokens, HF_ASSISTED_BATCH, assistant=draft), None),
         } | {f"b{k}": (lambda k=k: hf_matched_k(target, tok, ids, max_tokens, draft, k)) for k in ks}
         decoders = {"a": lambda: (hf_generate(target, tok, ids, max_tokens, bs), None)} | hf \
-            | {k: (lambda k=k: _engine_run(target, draft, tok, ids, bs, max_tokens, k)) for k in engine_ks}
+            | {k: (lambda k=k: engine_run(target, draft, tok, ids, bs, max_tokens, k)) for k in engine_ks}
         first, times, ratios = {}, {name: [] for name in decoders}, {name: [] for name in ["c", *ks]}
         prefill, full_rate, loop = ({k: [] for k in engine_ks} for _ in range(3))
         rows = min(bs, len(ids))  # the batch the engine really runs: fewer prompts than bs fill fewer rows
         for _ in tqdm(range(repeats), desc=f"batch {bs}: {repeats} round(s) of {len(decoders)} decoders"):
             for name, run in decoders.items():
-                out, dt = _timed(run)
+                out, dt = timed(run)
                 first.setdefault(name, out)
                 times[name].append(dt)
                 if name in prefill:

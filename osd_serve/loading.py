@@ -57,10 +57,11 @@ class ModelConfig:
         """Why float32 under a half-precision target on CPU: a small model's forward there is mostly
         per-call work, and half precision adds to it (F.linear reorders a bfloat16 weight on every call,
         elementwise ops convert). Beside a bfloat16 target on the AMX host, the default and data pairs'
-        drafts cost c = 0.15-0.16 of a target forward in bfloat16 and 0.11 in float32 at batch 1, and the
+        drafts cost c = 0.15 of a target forward in bfloat16 and 0.11 in float32 at batch 1, and the
         engine ran 1.05-1.09x faster at batch 1 and 1.00-1.03x at batch 8 with the float32 draft
-        (benchmarks/draft_dtype.py, results/draft_dtype_*_amx.json). The draft's dtype never changes the
-        output: the target verifies every token."""
+        (benchmarks/draft_dtype.py, results/draft_dtype_*_amx.json). The target still verifies every
+        token; only the proposals change (and with them a greedy output at the target's near-ties, and a
+        seeded sample's exact tokens)."""
         if self.draft_dtype != "auto":
             return DTYPES[self.draft_dtype]
         dtype = self.resolved_dtype()

@@ -58,6 +58,8 @@ def test_generate_names_bad_input(tiny_pair, tmp_path):
     good.write_text('{"prompt": "x"}\n')
     r = _cli("generate", "--target", pair["target"], "--draft", pair["draft"], "--prompts", str(good), "--top-p", "0")
     assert r.returncode != 0 and "top_p" in r.stderr
+    r = _cli("generate", "--target", pair["target"], "--draft", pair["draft"], "--prompts", str(good), "--draft-dtype", "int8")
+    assert r.returncode != 0 and "draft_dtype must be one of" in r.stderr  # the option reaches ModelConfig
 
 
 def test_bench_report_is_complete_and_lossless(tiny_pair, tmp_path):
@@ -74,7 +76,10 @@ def test_bench_report_is_complete_and_lossless(tiny_pair, tmp_path):
              "--batch-sizes", "1,2", "--max-k", "2", "--repeats", "2", "--out", str(out))
     assert r.returncode == 0, r.stderr
     rep = json.loads(out.read_text())
-    assert rep["dtype"] == "float32" and rep["prompts"] == 3
+    assert rep["dtype"] == rep["draft_dtype"] == "float32" and rep["prompts"] == 3
+    # a draft in another dtype than the target is named in the table's header, the same one is not
+    assert "(draft" not in summary_table(rep, "t") and "bfloat16 (draft float32)" in summary_table(
+        rep | {"dtype": "bfloat16"}, "t")
     # what was measured: the code (a clone of this repository has its commit), the attention path, no GPU
     assert rep["code"]["git"] and rep["code"]["torch"] == torch.__version__
     assert rep["gpu"] is None and rep["attn_implementation"] == "sdpa"

@@ -100,7 +100,7 @@ def test_draft_equal_to_target_accepts_everything(pair, tok, reference, k):
         assert o.tokens_per_step == k + 1
 
 
-def test_a_draft_in_another_dtype_changes_nothing_but_speed(pair, tok, reference):
+def test_a_draft_in_another_dtype_keeps_the_output_the_targets(pair, tok, reference):
     """The draft may run in another dtype than the target (ModelConfig.draft_dtype: float32 under a
     bfloat16 target on CPU): greedy output is still the target's own, and sampled rows still run."""
     arch, target, draft = pair

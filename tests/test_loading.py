@@ -60,6 +60,13 @@ def test_dtype_from_config(saved_pair):
     assert (cfg.resolved_dtype(), cfg.resolved_draft_dtype()) == (torch.float16, torch.float16)
     with pytest.raises(ValueError, match="draft_dtype must be one of"):
         ModelConfig(target="t", draft="d", device="cpu", draft_dtype="int8")
+    # the app config reaches both topologies' loaders through service.model_config
+    from deployments.config import AppConfig
+    from osd_serve.service import model_config
+
+    app = AppConfig(target=str(root / "target"), draft=str(root / "draft"), device="cpu", dtype="bfloat16", draft_dtype="bfloat16")
+    assert model_config(app).resolved_draft_dtype() == torch.bfloat16
+    assert model_config(app.model_copy(update={"draft_dtype": "auto"})).resolved_draft_dtype() == torch.float32
 
 
 def test_unreachable_hub_id_is_named(saved_pair):
