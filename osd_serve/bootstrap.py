@@ -234,6 +234,52 @@ def _cache_name(data_files: list[str] | None, preset: str, cfg: PairConfig) -> s
     return f"pair-{h.hexdigest()[:12]}"
 
 
+def _digest(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _same_content_build(root: Path, data_files: list[str], cfg: PairConfig) -> Path | None:
+    """On a cache miss: a complete build of this recipe from files at the same paths, of the same sizes
+    and content (SHA-256 in its build.json). Why: the key holds modification times, and a copy or a
+    checkout that rewrites a file unchanged would otherwise retrain the pair (5-15 minutes) and hand
+    benchmarks other weights than their earlier reports'. Files are hashed only when some build of the
+    same paths and sizes exists."""
+    want = [(os.path.abspath(p), os.path.getsize(p)) for p in data_files]
+    digests = None
+    for d in sorted(root.glob("pair-*")):
+        if d.is_symlink() or not _is_complete(d, cfg):
+            continue
+        try:
+            files = json.loads((d / "build.json").read_text())["data_files"]
+            if [(f["path"], f["bytes"]) for f in files] != want:
+                continue
+            recorded = [f["sha256"] for f in files]  # builds before the digest was recorded have none
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        digests = digests or [_digest(p) for p in data_files]
+        if recorded == digests:
+            return d
+    return None
+
+
+def _alias(final: Path, same: Path) -> None:
+    """Point the new key at ``same`` (a relative symlink, made atomically), so the next lookup is a plain
+    hit and hashes nothing. Best effort: without it the next call only hashes again."""
+    if os.path.lexists(final):
+        return
+    link = final.with_name(f".link-{final.name}-{os.getpid()}-{time.time_ns()}")
+    try:
+        os.symlink(same.name, link)
+        os.replace(link, final)
+    except OSError:
+        with contextlib.suppress(OSError):
+            link.unlink()
+
+
 def _paths(d: Path) -> dict:
     return {"target": str(d / "target"), "draft": str(d / "draft"), "prompts": str(d / "prompts.jsonl")}
 
@@ -319,6 +365,11 @@ def build_pair(data_files: list[str] | None = None, out_root: str | None = None,
     final = root / _cache_name(data_files, preset, cfg)
     if not force and _is_complete(final, cfg):
         return _paths(final)
+    if data_files and not force and root.is_dir() and (same := _same_content_build(root, data_files, cfg)):
+        print(f"[bootstrap] {same.name} was built from the same content (the files' modification times changed): "
+              f"reusing it", file=sys.stderr)
+        _alias(final, same)
+        return _paths(same)
 
     root.mkdir(parents=True, exist_ok=True)
     _sweep_stale_tmp(root)
@@ -345,7 +396,10 @@ def build_pair(data_files: list[str] | None = None, out_root: str | None = None,
         except OSError:
             if not _is_complete(final, cfg):  # another build won the rename in between: keep it
                 raise
-        shutil.rmtree(old, ignore_errors=True)
+        if old.is_symlink():  # an alias of another build (_alias): only the link goes
+            old.unlink()
+        else:
+            shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return _paths(final)
@@ -353,6 +407,8 @@ def build_pair(data_files: list[str] | None = None, out_root: str | None = None,
 
 def _build_into(out: Path, data_files: list[str] | None, cfg: PairConfig, preset: str) -> dict:
     t0 = time.perf_counter()
+    # Hashed before reading: what a later lookup by content (_same_content_build) compares with.
+    files = [{"path": os.path.abspath(p), "bytes": os.path.getsize(p), "sha256": _digest(p)} for p in data_files or []]
     docs = load_corpus(data_files, cfg)
     train_docs, held_docs = split_heldout(docs, cfg.n_prompts, cfg.seed)
     prompts = make_prompts(held_docs, cfg.n_prompts, cfg.seed + 1)
@@ -405,7 +461,7 @@ def _build_into(out: Path, data_files: list[str] | None, cfg: PairConfig, preset
           file=sys.stderr)
     return {
         "version": BUILD_VERSION, "preset": preset, "config": asdict(cfg),
-        "data_files": [{"path": os.path.abspath(p), "bytes": os.path.getsize(p)} for p in data_files or []],
+        "data_files": files,
         "corpus": {"train_docs": len(train_docs), "heldout_docs": len(held_docs),
                    "train_tokens": len(stream), "vocab_size": len(tokenizer)},
         "params": {"target": n_target, "draft": n_draft}, "losses": losses, "alpha_estimate": alpha,

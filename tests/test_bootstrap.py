@@ -8,6 +8,7 @@ import json
 import os
 import socket
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -231,6 +232,32 @@ def test_build_from_data_files(tmp_path):
     # Different data files are a different cache entry.
     assert bootstrap._cache_name(files[:1], "tiny", bootstrap.PRESETS["tiny"]) != os.path.basename(
         os.path.dirname(paths["target"]))
+
+    # A file rewritten unchanged (a copy, a checkout: a new modification time) is a new key, found by its
+    # content and reused without training; the new key becomes an alias, so the next call hashes nothing.
+    # The same size with other content is a rebuild.
+    def no_training(*a, **k):
+        raise RuntimeError("rebuilt")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bootstrap, "train_lm", no_training)
+        st = os.stat(files[0])
+        os.utime(files[0], ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+        assert build_pair(files, out_root=str(tmp_path / "out"), preset="tiny") == paths
+        alias = tmp_path / "out" / bootstrap._cache_name(files, "tiny", bootstrap.PRESETS["tiny"])
+        assert alias.is_symlink() and alias.resolve() == Path(paths["target"]).parent
+        mp.setattr(bootstrap, "_digest", lambda p: pytest.fail("hashed on a plain hit"))
+        assert build_pair(files, out_root=str(tmp_path / "out"), preset="tiny")["target"] == str(alias / "target")
+        mp.undo()
+        # --force builds in the alias's place: the link goes, the build it pointed to stays
+        forced = build_pair(files, out_root=str(tmp_path / "out"), preset="tiny", force=True)
+        assert not alias.is_symlink() and forced["target"] == str(alias / "target") and os.path.isdir(paths["target"])
+        assert not [p for p in (tmp_path / "out").iterdir() if p.name.startswith((".tmp-", ".link-"))]
+        mp.setattr(bootstrap, "train_lm", no_training)
+        text = Path(files[0]).read_text()
+        Path(files[0]).write_text(text.replace("What", "Whut", 1))  # same size, other content
+        with pytest.raises(RuntimeError, match="rebuilt"):
+            build_pair(files, out_root=str(tmp_path / "out"), preset="tiny")
 
 
 def test_a_long_first_record_does_not_leave_its_source_empty(tmp_path):
