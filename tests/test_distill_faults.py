@@ -145,3 +145,55 @@ def test_the_age_trigger_must_be_a_positive_finite_time(age):
     """A NaN age passed the `<= 0` check (replay --trigger-age-s nan), and the age trigger never fired."""
     with pytest.raises(ValueError, match="trigger_age_s"):
         BufferConfig(trigger_age_s=age)
+
+
+def test_a_request_in_flight_holds_only_what_its_record_will():
+    """With topk the recorder compresses each kept position as it comes (a [V] row per position made a
+    long guard sample hold 32 MB for a 31 KB record), and the record is what compressing at the end
+    gives; max_record_bytes caps what one request holds."""
+    V, k, steps = 512, 3, 20
+    torch.manual_seed(0)
+    p = torch.softmax(torch.randn(steps, k + 1, V) * 3, -1)  # [steps, k+1, V]
+    q = torch.softmax(torch.randn(k, V), -1)[None]  # [1, k, V]
+
+    def run(cfg):
+        out = []
+        rec = Recorder(cfg, on_finish=lambda r, t: out.append(r))
+        for s in range(steps):  # every draft accepted: k+1 positions a step
+            rec.observe_probs([("a", "default")], p[s][None], q, [k], [k], [s * (k + 1)], [0])
+        held = rec.traces["a"].nbytes
+        rec.finish(SimpleNamespace(request_id="a", prompt_ids=[1, 2], output_ids=[3] * steps * (k + 1)))
+        return out[0], held
+
+    r, held = run(RecordConfig("all", topk=8))
+    want = make_record([1, 2], [3] * steps * (k + 1), list(range(steps * (k + 1))), p.reshape(-1, V), topk=8)
+    assert torch.equal(r.probs, want.probs) and torch.equal(r.topk_ids, want.topk_ids) and torch.equal(r.rest_mass, want.rest_mass)
+    assert held == steps * (k + 1) * (8 * 6 + 2) < V * 2 * 4  # the whole request held less than 4 full rows
+    capped, held = run(RecordConfig("all", max_record_bytes=10 * V * 2))
+    assert capped.positions.tolist() == list(range(10)) and held == 10 * V * 2  # the first 10 positions, no more
+
+
+def test_lora_versions_keep_the_version_their_adapters_apply_over(tmp_path):
+    """Pruning kept the newest keep_last versions and the current one's parent, and deleted the base a
+    LoRA series applies over after a rollback: every kept adapter/ was a delta over lost weights."""
+    store = VersionStore(tmp_path, keep_last=2)
+    st = {"w": torch.zeros(2)}
+    store.publish(st, {"reason": "initial draft"})  # v0
+    store.publish(st, {"adapter_base_version": 0})  # v1
+    store.rollback(1)
+    for _ in range(3):  # a new LoRA series over v1
+        store.publish(st, {"adapter_base_version": 1})
+    assert store.versions == [1, 3, 4] and torch.equal(store.load(1)["w"], st["w"])
+
+
+def test_student_sampling_never_feeds_the_target_an_id_it_lacks(tok):
+    """A draft padded wider than the target sampled ids past the target's vocabulary, and scoring them
+    with the target raised IndexError in every student-sampled update."""
+    from tests.conftest import llama
+
+    target, draft = llama(len(tok), seed=0), llama(len(tok) + 64, seed=1)
+    rec = make_record([5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15], list(range(8)), torch.softmax(torch.randn(8, len(tok)), -1))
+    tr = DistillTrainer(draft, TrainConfig(student_fraction=1.0, steps_per_update=1, batch_size=1), teacher=target, vocab=len(tok))
+    torch.manual_seed(0)
+    losses = tr.train([rec] * 2, steps=20)
+    assert len(losses) == 20 and all(l == l for l in losses)  # noqa: E741  (no NaN)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .replay import ReplayRecord, make_record
+from .replay import ReplayRecord, compress, make_record
 
 
 @dataclass
@@ -23,6 +23,10 @@ class RecordConfig:
     # was wrong by construction (greedy agreement 0), so any candidate looks better and a worse one
     # was published.
     guard_every: int = 4
+    # What one request may hold in flight before it finishes (its record's size): past it, later
+    # positions are not kept. A guard sample keeps every position, and with the full distribution
+    # (topk 0) a 4k-token reply over a 152k vocabulary would hold 1.2 GB outside the buffer's budget.
+    max_record_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         if self.keep not in ("mismatch", "all"):
@@ -31,6 +35,8 @@ class RecordConfig:
             raise ValueError(f"topk must be >= 0, got {self.topk}")
         if self.guard_every < 1:
             raise ValueError(f"guard_every must be >= 1, got {self.guard_every}")
+        if self.max_record_bytes < 1:
+            raise ValueError(f"max_record_bytes must be >= 1, got {self.max_record_bytes}")
 
 
 @dataclass
@@ -48,7 +54,10 @@ class RequestTrace:
     draft_version: int = 0  # the version that served the request's last step
     guard: bool = False  # a guard sample (RecordConfig.guard_every)
     positions: list[int] = field(default_factory=list)  # response indices kept for the record
-    probs: list[torch.Tensor] = field(default_factory=list)  # [V] float16 each, on CPU
+    # per kept position, on CPU: [V] float16, or with RecordConfig.topk the (vals [1, K], ids [1, K],
+    # rest [1]) of replay.compress, compressed as it comes so a request in flight holds what its record will
+    probs: list = field(default_factory=list)
+    nbytes: int = 0  # of probs
 
     @property
     def greedy_acceptance(self) -> float | None:
@@ -99,6 +108,8 @@ class Recorder:
         # A target logit that overflowed (float16 can reach inf) makes its softmax NaN while greedy
         # serving goes on: such a position is not kept, or one record would poison every update.
         finite = torch.isfinite(p).all(-1).tolist()  # [B][k+1]
+        topk = self.cfg.topk if self.cfg.topk < p.shape[-1] else 0
+        row_bytes = topk * 6 + 2 if topk else p.shape[-1] * 2  # float16 probs (+ int32 ids and the rest)
         for i, ((rid, expert), a, kr) in enumerate(zip(keys, n_acc, k_rows)):
             # Least recently observed last: over max_traces, what goes is a request not seen for longest
             # (one that moved to another replica and never finished here), never a live one.
@@ -121,12 +132,13 @@ class Recorder:
             else:
                 kept = [a] if a < kr else []  # the position where the target corrected the draft
             for j in kept:
-                if not finite[i][j]:
+                if not finite[i][j] or tr.nbytes + row_bytes > self.cfg.max_record_bytes:
                     continue
                 tr.positions.append(before[i] + j)
-                # float16, as the record stores it (half the bytes while in flight); a copy, not a
-                # view, which would pin the whole step's [B, k+1, V]
-                tr.probs.append(p[i, j].half())
+                # float16, as the record stores it; a copy, not a view, which would pin the whole
+                # step's [B, k+1, V]
+                tr.probs.append(compress(p[i, j][None], topk) if topk else p[i, j].half())
+                tr.nbytes += row_bytes
 
     def drop(self) -> None:
         """Forget every request in flight (the engine was reset: none of them will finish)."""
@@ -138,11 +150,13 @@ class Recorder:
         keep = [j for j, pos in enumerate(tr.positions) if pos < n]
         rec = None
         if keep:
-            probs = torch.stack([tr.probs[j] for j in keep])  # [n, V]
+            rows = [tr.probs[j] for j in keep]
+            # [n, V], or the compressed (vals [n, K], ids [n, K], rest [n])
+            probs = tuple(torch.cat(parts) for parts in zip(*rows)) if isinstance(rows[0], tuple) else torch.stack(rows)
             rec = make_record(request.prompt_ids, request.output_ids, [tr.positions[j] for j in keep], probs,
                               topk=self.cfg.topk, expert=tr.expert)
             rec.heldout = tr.guard
-        tr.positions, tr.probs = [], []
+        tr.positions, tr.probs, tr.nbytes = [], [], 0
         if self.on_finish is not None:
             self.on_finish(rec, tr)
         return rec, tr

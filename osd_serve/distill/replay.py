@@ -52,15 +52,22 @@ class ReplayRecord:
         return fill.scatter_(1, self.topk_ids.long(), self.probs.float())
 
 
-def make_record(prompt_ids, response_ids, positions, target_probs: torch.Tensor, topk: int = 0, expert: str = "default") -> ReplayRecord:
-    """target_probs [n, V]: the target's distribution at ``positions`` (temperature 1, unprocessed)."""
-    p = target_probs.detach().float().cpu()
+def compress(p: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """p [n, V] -> the top-k probs [n, K] float16, their ids [n, K] int32 and the mass outside them [n] float16."""
+    vals, ids = p.detach().float().cpu().topk(topk, dim=-1)  # [n, K]
+    return vals.half(), ids.int(), (1.0 - vals.sum(-1)).clamp_min(0).half()
+
+
+def make_record(prompt_ids, response_ids, positions, target_probs, topk: int = 0, expert: str = "default") -> ReplayRecord:
+    """target_probs [n, V]: the target's distribution at ``positions`` (temperature 1, unprocessed), or
+    the (vals, ids, rest) ``compress`` made of it already (the recorder compresses as it goes)."""
     as_i32 = lambda x: torch.as_tensor(x, dtype=torch.int32).cpu()  # noqa: E731
     pos = torch.as_tensor(positions, dtype=torch.long).cpu()
+    if isinstance(target_probs, tuple):
+        return ReplayRecord(as_i32(prompt_ids), as_i32(response_ids), pos, *target_probs, expert)
+    p = target_probs.detach().float().cpu()
     if topk and topk < p.shape[-1]:
-        vals, ids = p.topk(topk, dim=-1)  # [n, K]
-        rest = (1.0 - vals.sum(-1)).clamp_min(0)  # [n]
-        return ReplayRecord(as_i32(prompt_ids), as_i32(response_ids), pos, vals.half(), ids.int(), rest.half(), expert)
+        return ReplayRecord(as_i32(prompt_ids), as_i32(response_ids), pos, *compress(p, topk), expert)
     return ReplayRecord(as_i32(prompt_ids), as_i32(response_ids), pos, p.half(), expert=expert)
 
 

@@ -134,8 +134,10 @@ class DistillTrainer:
         prompt = rec.prompt_ids.long()[None].to(self.device)
         n = max(len(rec.response_ids), 1)
         self.student.eval()
+        # A draft wider than the target (a padded embedding) must not sample ids the target cannot embed
+        wide = list(range(self.vocab, self.student.get_output_embeddings().weight.shape[0]))
         out = self.student.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, do_sample=True,
-                                    top_k=0, pad_token_id=0)
+                                    top_k=0, pad_token_id=0, suppress_tokens=wide or None)
         self.student.train()
         seq = out[0]
         logits = self.teacher(seq[None].to(next(self.teacher.parameters()).device)).logits[0, :, : self.vocab]

@@ -161,12 +161,21 @@ class VersionStore:
         an update from it, v0 is the known-good version the next rollback goes to."""
         vs = self.manifest["versions"]
         keep = set(vs[-self.keep_last :]) | {self.parent(self.current)}
+        # A LoRA version's adapter is a delta over its base version's weights (meta
+        # adapter_base_version): the base stays while any kept version applies over it.
+        keep |= {self._adapter_base(v) for v in keep if v is not None} - {None}
         for v in vs:
             if v not in keep:
                 shutil.rmtree(self.path(v), ignore_errors=True)
         self.manifest["versions"] = [v for v in vs if v in keep]
         parents = self.manifest.get("parents", {})
         self.manifest["parents"] = {k: p for k, p in parents.items() if int(k) in keep}
+
+    def _adapter_base(self, version: int) -> int | None:
+        try:
+            return self.meta(version).get("adapter_base_version")
+        except (OSError, ValueError):
+            return None
 
     def load(self, version: int | None = None) -> dict[str, torch.Tensor]:
         version = self.current if version is None else version
