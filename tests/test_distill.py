@@ -202,13 +202,19 @@ def test_watcher_swaps_in_what_another_process_publishes(tmp_path, models):
     assert [(e, v) for e, v, _ in applied] == [("sql", 1), ("sql", 0)]  # ...and every watcher follows
     # A replica started later serves the store's current version from the start.
     late = VersionWatcher(tmp_path, None, poll_s=3600)
-    v, st = late.watch("sql", lambda: trained)
+    v, st = late.watch("sql", lambda: base)
     assert v == 0 and torch.equal(st["lm_head.weight"], base["lm_head.weight"])
     # A candidate trained from version 1 is not published over the rollback to 0.
     assert VersionStore(tmp_path / "sql").publish(trained, expect_current=1) is None
     # Publishing after a rollback numbers on (2): v1 is still kept, and a rollback to it stays possible.
     assert VersionStore(tmp_path / "sql").publish(trained, expect_current=0) == 2
-    for x in (w, late):
+    # A redeploy with another draft of the same shapes does not serve the old draft's versions: the
+    # store is cleared and the new draft is version 0 (it served the old one's current version before).
+    other = {n: t * 2 for n, t in base.items()}
+    redeployed = VersionWatcher(tmp_path, None, poll_s=3600)
+    assert redeployed.watch("sql", lambda: other) == (0, None)
+    assert torch.equal(VersionStore(tmp_path / "sql").load()["lm_head.weight"], other["lm_head.weight"])
+    for x in (w, late, redeployed):
         x.close()
 
 

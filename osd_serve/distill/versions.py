@@ -246,10 +246,19 @@ class VersionWatcher:
         configured, published as version 0 if the store is empty. Returns (version to serve, its state
         to load now, or None when it is the initial draft itself); the caller loads it, on its own thread."""
         store = VersionStore(self.root / expert)
+        draft = initial_state()
+        base = draft_fingerprint(draft)
+        if store.refresh() is not None and store.manifest.get("draft", base) != base:
+            # As OnlineDistiller does: versions of another draft (a redeploy changed it) would load
+            # without complaint where the shapes match and serve the old draft's weights.
+            logger.warning("versions under %s belong to another draft; starting from version 0", store.root)
+            store.clear()
         state = None
-        initial = {n: t.clone() for n, t in initial_state().items()} if store.refresh() is None else None
-        if initial is None or store.publish(initial, {"reason": "initial draft"}, expect_current=None) is None:
+        initial = {n: t.clone() for n, t in draft.items()} if store.refresh() is None else None
+        if initial is None or store.publish(initial, {"reason": "initial draft"}, expect_current=None, draft=base) is None:
             state = store.load()  # a restart, or another replica was first: serve what the store says
+            if "draft" not in store.manifest:  # a store from before fingerprints: this draft's from now on
+                store.set_draft(base)
         with self._lock:
             self.stores[expert], self.serving[expert] = store, store.current
             if self._thread is None:
