@@ -37,6 +37,13 @@ from .app import Readiness
 from .config import AppConfig
 
 IDLE_SEQUENCE_S = 600.0  # see Verifier._forget_idle
+def _report_ahead(fut) -> None:
+    """Drafting ahead is a guess: when it fails, the next step drafts as usual (BatchKV.forward cuts a
+    failed forward's columns back), so it is logged, not raised."""
+    if not fut.cancelled() and fut.exception() is not None:
+        logging.getLogger(__name__).warning("drafting ahead failed; the next step drafts as usual: %r", fut.exception())
+
+
 CONSISTENT_HASH = "ray.serve.experimental.consistent_hash_router.ConsistentHashRouter"
 
 
@@ -115,7 +122,8 @@ class DraftPool(_Batched):
     async def propose(self, items: list[ProposeItem]) -> list[Proposal]:
         worker = await self.get_worker(serve.get_multiplexed_model_id())
         out = await self._run(worker.propose, items)
-        asyncio.get_running_loop().run_in_executor(self.pool, worker.draft_ahead)  # overlaps verification
+        ahead = asyncio.get_running_loop().run_in_executor(self.pool, worker.draft_ahead)  # overlaps verification
+        ahead.add_done_callback(_report_ahead)  # not awaited: its failure would otherwise go unseen
         return out
 
     async def release(self, seq_id: str) -> None:

@@ -263,12 +263,17 @@ class DraftWorker:
         tokens = tokens.tolist()
         # The cache now holds the history and each row's first k_i - 1 proposals (the last is never fed).
         self.caches.set_tokens(ids, [h + t[: n - 1] for h, t, n in zip(histories, tokens, ks)])
-        return [Proposal(t[:n], None if it.sampling.greedy else probs[i, :n].float().cpu(), self.version)
+        # A copy per row: on CPU .float().cpu() of a float32 slice is a view, and a pickled view carries
+        # its whole buffer, so every Proposal sent on carried the batch's [B, k, V]
+        return [Proposal(t[:n], None if it.sampling.greedy else probs[i, :n].to("cpu", torch.float32, copy=True), self.version)
                 for i, (it, t, n) in enumerate(zip(items, tokens, ks))]
 
     def release(self, seq_id: str) -> None:
         self.caches.release(seq_id)
         self._ahead.pop(seq_id, None)
+        if self._last is not None:  # a release between propose() and draft_ahead() would bring it back
+            keep = [i for i, it in enumerate(self._last[0]) if it.seq_id != seq_id]
+            self._last = ([self._last[0][i] for i in keep], [self._last[1][i] for i in keep]) if keep else None
 
 
 class TargetVerifier:

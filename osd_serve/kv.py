@@ -198,7 +198,8 @@ class BatchKV:
         input_valid [B, T] bool; the valid entries of a row must come first (right padding).
         returns     [B, T, V] logits.
         """
-        if self.cache is None:
+        width, fresh = self.width, self.cache is None
+        if fresh:
             self.cache = new_cache(self.model.config)
         offs = input_valid.long().cumsum(1) - 1  # [B, T]
         pos = self.length[:, None] + offs.clamp_min(0)  # [B, T]
@@ -214,13 +215,25 @@ class BatchKV:
             mask = torch.cat([self.valid, input_valid], dim=1)  # [B, P+T]
             # No holes anywhere: let attention take its plain causal path instead of building a 4D mask.
             attention_mask = None if bool(mask.all()) else mask.long()
-        out = self.model(
-            input_ids=input_ids.clamp(max=self.max_id),
-            attention_mask=attention_mask,
-            position_ids=pos,
-            past_key_values=self.cache,
-            use_cache=True,
-        )
+        try:
+            out = self.model(
+                input_ids=input_ids.clamp(max=self.max_id),
+                attention_mask=attention_mask,
+                position_ids=pos,
+                past_key_values=self.cache,
+                use_cache=True,
+            )
+        except BaseException:
+            # Raised part-way (out of memory in some layer): the layers before it have appended this
+            # forward's columns. Cut them back, so the cache holds what col_pos says and a later forward
+            # of these rows works (a disaggregated worker's failed draft-ahead went on to fail every step).
+            if fresh:
+                self.cache = None
+            for layer in self._layers():
+                keys = getattr(layer, "keys", None)
+                if keys is not None and keys.dim() == 4 and keys.shape[2] > width:
+                    layer.keys, layer.values = keys[:, :, :width], layer.values[:, :, :width]
+            raise
         self.col_pos = torch.cat([self.col_pos, new_pos], dim=1)
         self.length = self.length + input_valid.long().sum(1)
         return out.logits

@@ -357,3 +357,27 @@ def test_the_caches_squeeze_out_holes_and_own_their_rows(tok):
         for row, _ in w.caches._rows.values():
             for layer in row._layers():
                 assert layer.keys is None or layer.keys.untyped_storage().nbytes() == layer.keys.numel() * layer.keys.element_size()
+
+
+def test_a_release_between_propose_and_draft_ahead_stays_released(tok):
+    """DraftPool runs propose, then (its client gone) release, then the fire-and-forget draft_ahead on
+    one thread: drafting ahead brought the released sequence's cache row and proposals back."""
+    target = llama(len(tok), seed=3)
+    dw = DraftWorker(perturbed(target, 0.05), len(tok), ahead=True)
+    s = disagg.Sampling()
+    pa, pb = _prompts(len(tok), n=2, seed=4)
+    dw.propose([disagg.ProposeItem("A", pa, 3, s), disagg.ProposeItem("B", pb, 3, s)])
+    dw.release("A")
+    dw.draft_ahead()
+    assert "A" not in dw.caches.tokens and "A" not in dw._ahead and "B" in dw._ahead
+
+
+def test_a_sampled_proposal_owns_its_probabilities(tok):
+    """On CPU a row's probs were a view of the batch's [B, k, V]: pickled (to the router and verifier)
+    each Proposal carried the whole batch's probabilities."""
+    target = llama(len(tok), seed=3)
+    dw = DraftWorker(perturbed(target, 0.05), len(tok), ahead=False)
+    s = disagg.Sampling(temperature=1.0, seed=1)
+    props = dw.propose([disagg.ProposeItem(f"s{i}", p, 3, s) for i, p in enumerate(_prompts(len(tok), n=4, seed=5))])
+    for p in props:
+        assert p.probs.shape == (3, len(tok)) and p.probs.untyped_storage().nbytes() == p.probs.numel() * 4

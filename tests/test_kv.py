@@ -235,3 +235,23 @@ def test_models_whose_attention_reads_cache_places_are_refused(tok):
         SpecEngine(m, m, tok)
     with pytest.raises(ValueError, match="'mpt' is not supported"):
         DraftWorker(m, len(tok))
+
+
+def test_a_forward_that_raises_part_way_leaves_the_cache_as_it_was(tok):
+    """Out of memory in a late layer: the layers before it had appended the forward's columns, col_pos
+    had not, and every later forward of those rows failed on the mismatch (a disaggregated worker's
+    failed draft-ahead broke every following step)."""
+    model = llama(len(tok), layers=3, seed=5)
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    kv = BatchKV(model, 2, torch.device("cpu"))
+    kv.forward(ids, torch.ones_like(ids, dtype=torch.bool))
+    last, forward = model.model.layers[-1], model.model.layers[-1].forward
+    last.forward = lambda *a, **k: (_ for _ in ()).throw(torch.OutOfMemoryError("simulated"))
+    with pytest.raises(torch.OutOfMemoryError):
+        kv.forward(ids[:, :2], torch.ones(2, 2, dtype=torch.bool))
+    last.forward = forward
+    assert all(layer.keys.shape[2] == kv.width == 4 for layer in kv.cache.layers)
+    got = kv.forward(ids[:, :1], torch.ones(2, 1, dtype=torch.bool))[:, -1]  # [B, V]
+    with torch.inference_mode():
+        want = model(torch.cat([ids, ids[:, :1]], 1)).logits[:, -1]
+    assert torch.allclose(got, want, atol=1e-5)
