@@ -197,3 +197,19 @@ def test_student_sampling_never_feeds_the_target_an_id_it_lacks(tok):
     torch.manual_seed(0)
     losses = tr.train([rec] * 2, steps=20)
     assert len(losses) == 20 and all(l == l for l in losses)  # noqa: E741  (no NaN)
+
+
+def test_a_publish_that_dies_mid_way_leaves_every_listed_version_loadable(tmp_path, monkeypatch):
+    """Pruning deleted versions before the manifest stopped listing them: a crash in between left the
+    manifest naming a version without files. A killed publisher's temp directory is swept by the next."""
+    store = VersionStore(tmp_path, keep_last=2)
+    st = {"w": torch.zeros(2)}
+    store.publish(st)  # v0
+    store.publish(st)  # v1
+    (tmp_path / ".tmp-vkilled").mkdir()  # a publisher killed while writing
+    monkeypatch.setattr(store, "_write_manifest", lambda: (_ for _ in ()).throw(OSError("disk full")))
+    with pytest.raises(OSError):
+        store.publish(st)  # v2 prunes v0, then dies before its manifest is written
+    again = VersionStore(tmp_path, keep_last=2)
+    assert again.versions == [0, 1] and all(torch.equal(again.load(v)["w"], st["w"]) for v in again.versions)
+    assert again.publish(st) == 3 and not list(tmp_path.glob(".tmp-v*"))

@@ -137,6 +137,8 @@ class VersionStore:
         # Above every number ever used, also those a rollback left out of the manifest.
         on_disk = [int(p.name[1:]) for p in self.root.glob("v[0-9]*") if p.name[1:].isdigit()]
         version = max(self.manifest["versions"] + on_disk, default=-1) + 1
+        for orphan in self.root.glob(".tmp-v*"):  # under the store's lock: a killed publisher's, never a live one's
+            shutil.rmtree(orphan, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=".tmp-v", dir=self.root))
         try:
             save_file({n: t.detach().cpu().contiguous() for n, t in state.items()}, str(tmp / "draft.safetensors"))
@@ -149,27 +151,30 @@ class VersionStore:
         self.manifest["versions"].append(version)
         self.manifest.setdefault("parents", {})[str(version)] = self.current
         self.manifest["current"] = version
-        self._prune()
+        doomed = self._prune()
+        # Deleted after the manifest stops listing them: a crash in between leaves unlisted directories
+        # (numbering skips them), never a listed version without its files.
         self._write_manifest()
+        for d in doomed:
+            shutil.rmtree(d, ignore_errors=True)
         return version
 
     def parent(self, version: int) -> int | None:
         return self.manifest.get("parents", {}).get(str(version))
 
-    def _prune(self) -> None:
+    def _prune(self) -> list[Path]:
         """The newest keep_last, and always the current version's parent: after a rollback to v0 and
-        an update from it, v0 is the known-good version the next rollback goes to."""
+        an update from it, v0 is the known-good version the next rollback goes to. Returns the
+        directories to delete once the manifest no longer lists them (_publish)."""
         vs = self.manifest["versions"]
         keep = set(vs[-self.keep_last :]) | {self.parent(self.current)}
         # A LoRA version's adapter is a delta over its base version's weights (meta
         # adapter_base_version): the base stays while any kept version applies over it.
         keep |= {self._adapter_base(v) for v in keep if v is not None} - {None}
-        for v in vs:
-            if v not in keep:
-                shutil.rmtree(self.path(v), ignore_errors=True)
         self.manifest["versions"] = [v for v in vs if v in keep]
         parents = self.manifest.get("parents", {})
         self.manifest["parents"] = {k: p for k, p in parents.items() if int(k) in keep}
+        return [self.path(v) for v in vs if v not in keep]
 
     def _adapter_base(self, version: int) -> int | None:
         try:
