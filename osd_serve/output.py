@@ -51,11 +51,26 @@ def fit_max_tokens(params: SamplingParams, n_prompt: int, max_model_len: int) ->
     return params if params.max_tokens is not None else replace(params, max_tokens=max_model_len - n_prompt)
 
 
-def _decode(tokenizer, ids: list[int]) -> str:
+# Prompt ids decoded before the output and cut off again (_decode): one would do for the known cases.
+DECODE_CONTEXT = 4
+
+
+def _decode(tokenizer, ids: list[int], context: list[int] = ()) -> str:
     """Text of generated ids, without the tokenizer's ``clean_up_tokenization_spaces`` (as vLLM): that
     post-processing rewrites text already streamed (" ." becomes "." once the "." arrives) and
-    changes what the model wrote (code such as ``x .y``). Llama-3's tokenizer turns it on."""
-    return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    changes what the model wrote (code such as ``x .y``). Llama-3's tokenizer turns it on.
+
+    ``context``: the last prompt ids. Decoded alone, the output's first token loses its leading space
+    with SentencePiece-style decoders, which strip the start of a text (Llama-2, Mistral: "▁Paris"
+    gave "Paris" after "The capital is"); decoded after the context it keeps it, and the context's own
+    text is cut off. Where the context ends inside a UTF-8 character the output's text starts with
+    that character, which it completes."""
+    kw = {"skip_special_tokens": True, "clean_up_tokenization_spaces": False}
+    if not context:
+        return tokenizer.decode(ids, **kw)
+    head = tokenizer.decode(list(context), **kw)
+    full = tokenizer.decode(list(context) + list(ids), **kw)
+    return full[len(os.path.commonprefix([head, full])):]
 
 
 def eos_token_ids(model_or_config, tokenizer) -> set[int]:
@@ -120,6 +135,11 @@ class Request:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def context(self) -> list[int]:
+        """The prompt ids the output is decoded after (_decode)."""
+        return self.prompt_ids[-DECODE_CONTEXT:]
+
     def step_k(self, emitted: int | None = None) -> int:
         """Draft tokens for this request's next step (or for a step once ``emitted`` tokens are out):
         its k, but never past max_tokens. With n tokens left it emits at most n (accepted + 1), so drafts
@@ -163,7 +183,7 @@ class Request:
         end, at = min(hits)
         self.text, self.finish_reason = self.text[:at], "stop"
         for j in range(shown, len(self.output_ids)):  # the first new token whose text reaches the stop's end
-            if len(_decode(tokenizer, self.output_ids[: j + 1]).rstrip("\ufffd")) >= end:
+            if len(_decode(tokenizer, self.output_ids[: j + 1], self.context).rstrip("\ufffd")) >= end:
                 del self.output_ids[j + 1 :]
                 break
 
@@ -179,9 +199,9 @@ class Request:
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if self.finished or backend is None:
             self._rendered = len(ids)
-            return _decode(tokenizer, ids)
-        if self._stream is None:
-            self._stream = DecodeStream(skip_special_tokens=True)
+            return _decode(tokenizer, ids, self.context)
+        if self._stream is None:  # prefilled with the same context as _decode, for the same reason
+            self._stream = DecodeStream(ids=self.context or None, skip_special_tokens=True)
         pieces = []
         for i, t in enumerate(ids[start:], start):
             piece = self._stream.step(backend, [t])  # None while t ends inside a character
