@@ -160,9 +160,8 @@ class AsyncSpecServer:
                 self._fail(name, eng, e)
                 continue
             for d in deltas:
-                sink = self._sinks.get(d.request_id)
-                if sink is not None and (d.token_ids or d.text or d.finished):
-                    sink(d)
+                if d.token_ids or d.text or d.finished:
+                    self._deliver(d, eng)
                 if d.finished:
                     self._sinks.pop(d.request_id, None)
                     self._owner.pop(d.request_id, None)
@@ -172,6 +171,21 @@ class AsyncSpecServer:
                 except Exception:  # noqa: BLE001  metrics must never stop serving
                     logging.getLogger(__name__).exception("on_step callback failed")
 
+    def _deliver(self, d: StreamDelta, eng: SpecEngine) -> None:
+        """Hand a delta to its caller's sink. A sink that raises (its caller's event loop has closed)
+        loses its request, which is aborted; it must not cost the step's other requests their
+        deltas, which they would wait for forever."""
+        sink = self._sinks.get(d.request_id)
+        if sink is None:
+            return
+        try:
+            sink(d)
+        except Exception:  # noqa: BLE001
+            logging.getLogger(__name__).warning("request %s: its caller is gone (sink raised); aborting it", d.request_id)
+            self._sinks.pop(d.request_id, None)
+            self._owner.pop(d.request_id, None)
+            eng.abort(d.request_id)
+
     def _fail(self, name: str, eng: SpecEngine, err: Exception) -> None:
         """End every request of a failed engine with finish_reason 'error' and reset it in place.
         Every request the server gave it, not only those in its queues: a step that failed while
@@ -180,6 +194,5 @@ class AsyncSpecServer:
         eng.reset()  # first: a caller told of the failure finds the engine ready again
         for rid in [rid for rid, expert in self._owner.items() if expert == name]:
             del self._owner[rid]
-            sink = self._sinks.pop(rid, None)
-            if sink is not None:
-                sink(StreamDelta(rid, "", [], True, "error"))
+            self._deliver(StreamDelta(rid, "", [], True, "error"), eng)
+            self._sinks.pop(rid, None)

@@ -213,3 +213,33 @@ def test_health_follows_the_engine_loop(tok):
     svc.close()
     r = client.get("/health")
     assert r.status_code == 503 and "engine loop is not running" in r.json()["error"], r.text
+
+
+def test_a_caller_whose_loop_is_gone_does_not_stall_the_others(tok):
+    """A sink that raises (its caller's event loop closed) broke off the step's delivery: the other
+    requests of that step lost their deltas and waited forever. Now it alone is aborted."""
+    import concurrent.futures
+
+    from osd_serve.serving import AsyncSpecServer, _Add
+
+    target = llama(len(tok), seed=0)
+    server = AsyncSpecServer(target, tok, {"default": perturbed(target, 0.05)})
+    try:
+        def gone(d):
+            raise RuntimeError("Event loop is closed")
+
+        fut = concurrent.futures.Future()
+        params = SamplingParams(max_tokens=12, num_speculative_tokens=3, ignore_eos=True)
+        server._inbox.put(_Add("default", [5, 6, 7], params, "gone", gone, fut))  # as generate() does
+        server._wake.set()
+        fut.result(timeout=30)
+
+        async def run():
+            return [d async for d in server.generate([8, 9, 10], params)]
+
+        deltas = asyncio.run(asyncio.wait_for(run(), 30))
+        assert deltas[-1].finished and sum(len(d.token_ids) for d in deltas) == 12
+        time.sleep(0.2)
+        assert not server.engines["default"].has_unfinished() and "gone" not in server._sinks
+    finally:
+        server.close()
