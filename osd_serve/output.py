@@ -130,15 +130,20 @@ class Request:
     _sent_chars: int = 0
     _rendered: int = 0  # output ids whose text is in ``text`` (the rest end inside a UTF-8 character)
     _stream: DecodeStream | None = None  # incremental detokenizer (see _render)
+    _context: list[int] | None = None  # see context()
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    @property
-    def context(self) -> list[int]:
-        """The prompt ids the output is decoded after (_decode)."""
-        return self.prompt_ids[-DECODE_CONTEXT:]
+    def context(self, tokenizer) -> list[int]:
+        """The prompt ids the output is decoded after (_decode): the last DECODE_CONTEXT, or none where
+        they end inside a UTF-8 character (a prompt given as token ids), since a stream prefilled with
+        half a character and the full decode would then disagree on where the output's text starts."""
+        if self._context is None:
+            tail = list(self.prompt_ids[-DECODE_CONTEXT:])
+            self._context = [] if _decode(tokenizer, tail).endswith("\ufffd") else tail
+        return self._context
 
     def step_k(self, emitted: int | None = None) -> int:
         """Draft tokens for this request's next step (or for a step once ``emitted`` tokens are out):
@@ -183,7 +188,7 @@ class Request:
         end, at = min(hits)
         self.text, self.finish_reason = self.text[:at], "stop"
         for j in range(shown, len(self.output_ids)):  # the first new token whose text reaches the stop's end
-            if len(_decode(tokenizer, self.output_ids[: j + 1], self.context).rstrip("\ufffd")) >= end:
+            if len(_decode(tokenizer, self.output_ids[: j + 1], self.context(tokenizer)).rstrip("\ufffd")) >= end:
                 del self.output_ids[j + 1 :]
                 break
 
@@ -199,9 +204,9 @@ class Request:
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if self.finished or backend is None:
             self._rendered = len(ids)
-            return _decode(tokenizer, ids, self.context)
+            return _decode(tokenizer, ids, self.context(tokenizer))
         if self._stream is None:  # prefilled with the same context as _decode, for the same reason
-            self._stream = DecodeStream(ids=self.context or None, skip_special_tokens=True)
+            self._stream = DecodeStream(ids=self.context(tokenizer) or None, skip_special_tokens=True)
         pieces = []
         for i, t in enumerate(ids[start:], start):
             piece = self._stream.step(backend, [t])  # None while t ends inside a character

@@ -188,3 +188,20 @@ def test_the_first_token_keeps_its_leading_space_with_a_sentencepiece_decoder():
                 r.append([t], sp, {2})
                 streamed += r.delta().text
         assert r.text == streamed == want and r.finish_reason == "stop"
+
+
+def test_output_decoded_after_the_prompt_streams_what_it_returns_wherever_the_prompt_ends(bpe):
+    """The output is decoded after the prompt's last ids; a prompt of token ids may end inside a UTF-8
+    character, and a stream prefilled with half of one disagreed with the final text ('日本語 ' streamed,
+    '本語 🙂' returned). There the output is decoded alone, as before."""
+    ids = bpe.encode("naïve 日本語 🙂 — x² ≤ café")
+    for cut in range(1, len(ids)):
+        prompt, out = ids[:cut], ids[cut:]
+        r, streamed = Request("r", "", prompt, SamplingParams(max_tokens=len(out)), None), ""
+        for t in out:
+            r.append([t], bpe, set())
+            streamed += r.delta().text
+        assert streamed == r.text
+        head = bpe.decode(prompt)
+        if not head.endswith("\ufffd"):  # the prompt ends between characters: the output is the rest
+            assert r.text == bpe.decode(prompt + out)[len(head):]
