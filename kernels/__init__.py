@@ -22,7 +22,7 @@ def verify(
     draft_probs: torch.Tensor,  # [B, k, V] float32
     draft_tokens: torch.Tensor,  # [B, k] int64
     num_draft: torch.Tensor,  # [B] int64
-    uniforms: torch.Tensor,  # [B, k+1] float32
+    uniforms: torch.Tensor,  # [B, k+1] float64
 ) -> tuple[torch.Tensor, torch.Tensor]:  # out_tokens [B, k+1] int64, num_accepted [B] int64
     """Speculative verification: the Triton kernel on CUDA tensors, else the torch reference.
 

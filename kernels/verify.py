@@ -22,7 +22,7 @@ import torch
 
 def inverse_cdf_sample(
     dist: torch.Tensor,  # [B, V] float, non-negative, unnormalised
-    uniforms: torch.Tensor,  # [B] float in [0, 1)
+    uniforms: torch.Tensor,  # [B] float64 in [0, 1) (float32 ones sit on a 2**-24 grid)
 ) -> torch.Tensor:  # [B] int64
     """First index whose cumulative mass exceeds u * total, clamped to the last nonzero token."""
     v = dist.shape[-1]
@@ -39,7 +39,7 @@ def verify_reference(
     draft_probs: torch.Tensor,  # [B, k, V] float32 q at each drafted position
     draft_tokens: torch.Tensor,  # [B, k] int64 proposed tokens
     num_draft: torch.Tensor,  # [B] int64 per-row k_i <= k
-    uniforms: torch.Tensor,  # [B, k+1] float32 in [0, 1)
+    uniforms: torch.Tensor,  # [B, k+1] float64 in [0, 1)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # out_tokens [B, k+1] int64 (-1 pad), num_accepted [B] int64
     """Accept a prefix of the draft tokens and sample one corrected-or-bonus token per row."""
     b, k1, v = target_probs.shape
@@ -54,7 +54,7 @@ def verify_reference(
     tok = torch.where(drafted, draft_tokens, 0).unsqueeze(-1)  # [B, k, 1]
     p_x = target_probs[:, :k].gather(2, tok).squeeze(-1)  # [B, k]
     q_x = draft_probs.gather(2, tok).squeeze(-1)  # [B, k]
-    accept = (uniforms[:, :k] * q_x < p_x) & (q_x > 0) & drafted  # [B, k]
+    accept = (uniforms[:, :k].double() * q_x < p_x) & (q_x > 0) & drafted  # [B, k] compared in float64, as the kernel
     # Leading run of accepts: cumprod zeroes everything after the first rejection.
     num_accepted = accept.long().cumprod(dim=1).sum(dim=1)  # [B]
 

@@ -39,7 +39,7 @@ if HAS_TRITON:
         draft_ptr,  # [B, K, V] float32
         tokens_ptr,  # [B, K] int64
         num_draft_ptr,  # [B] int64
-        uniforms_ptr,  # [B, K+1] float32
+        uniforms_ptr,  # [B, K+1] float64: float32 would put the final sample on a 2**-24 grid near u = 1
         out_ptr,  # [B, K+1] int64
         num_accepted_ptr,  # [B] int64
         K,
@@ -60,7 +60,7 @@ if HAS_TRITON:
             p_x = tl.load(target_row + j * V + x)
             q_x = tl.load(draft_row + j * V + x)
             u = tl.load(uniforms_ptr + b * (K + 1) + j)
-            ok = ((u * q_x < p_x) & (q_x > 0)).to(tl.int32)
+            ok = ((u * q_x.to(tl.float64) < p_x.to(tl.float64)) & (q_x > 0)).to(tl.int32)
             run = run * ok
             a += run
 
@@ -117,7 +117,7 @@ def verify_triton(
     draft_probs: torch.Tensor,  # [B, k, V] float32 q at each drafted position
     draft_tokens: torch.Tensor,  # [B, k] int64 proposed tokens
     num_draft: torch.Tensor,  # [B] int64 per-row k_i <= k
-    uniforms: torch.Tensor,  # [B, k+1] float32 in [0, 1)
+    uniforms: torch.Tensor,  # [B, k+1] float64 in [0, 1)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # out_tokens [B, k+1] int64 (-1 pad), num_accepted [B] int64
     """Same contract and results as kernels.verify.verify_reference, one program per row."""
     if not HAS_TRITON:
@@ -134,7 +134,7 @@ def verify_triton(
         draft_probs.float().contiguous(),
         draft_tokens.long().contiguous(),
         num_draft.long().contiguous(),
-        uniforms.float().contiguous(),
+        uniforms.double().contiguous(),
         out_tokens,
         num_accepted,
         k,

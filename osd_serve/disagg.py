@@ -46,8 +46,9 @@ def _evict(entries: OrderedDict, limit: int, now: float, idle_s: float) -> list:
 
 def uniforms(seed: int, stream: int, position: int, n: int) -> torch.Tensor:
     """[n] uniforms that depend only on (seed, stream, position): any worker draws the same ones,
-    so a sequence that moves to another worker keeps its seeded output. Positions only grow."""
-    return torch.rand(n, generator=seeded_generator(seed, stream, position))
+    so a sequence that moves to another worker keeps its seeded output. Positions only grow.
+    float64, as the engine's (SpecEngine._uniforms)."""
+    return torch.rand(n, generator=seeded_generator(seed, stream, position), dtype=torch.float64)
 
 
 @dataclass
@@ -316,7 +317,7 @@ class TargetVerifier:
         # Row i draws k_i + 1: its k_i accept tests, then the final sample, which accept() reads from column
         # kmax. Drawing kmax + 1 put another uniform there whenever a longer draft shared the batch, so a
         # seed's tokens depended on the batch (as SpecEngine._uniforms; the columns between are never read).
-        u = torch.full((b, kmax + 1), 0.5)  # [B, k+1]
+        u = torch.full((b, kmax + 1), 0.5, dtype=torch.float64)  # [B, k+1]
         for i, (it, ki) in enumerate(zip(items, ks)):
             d = uniforms(it.sampling.seed, _VERIFY, len(it.history), ki + 1)  # [k_i + 1]
             u[i, :ki], u[i, kmax] = d[:ki], d[ki]

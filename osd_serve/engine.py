@@ -153,11 +153,13 @@ class SpecEngine:
         one-hot p and q the accept rule never looks at them), and so do the columns a row does not
         use (its proposals past k_i are never verified)."""
         k = max(k_rows)
-        u_draft = torch.full((len(self.running), k), 0.5)
-        u_verify = torch.full((len(self.running), k + 1), 0.5)
+        # float64: a float32 torch.rand returns multiples of 2**-24 only, so inverse-CDF sampling from
+        # them rounds every token's chance to that grid (1.5e-3 total variation from p at V = 152k)
+        u_draft = torch.full((len(self.running), k), 0.5, dtype=torch.float64)
+        u_verify = torch.full((len(self.running), k + 1), 0.5, dtype=torch.float64)
         for i, (r, ki) in enumerate(zip(self.running, k_rows)):
             if r.generator is not None:
-                d = torch.rand(2 * ki + 1, generator=r.generator)  # [2·k_i + 1]
+                d = torch.rand(2 * ki + 1, generator=r.generator, dtype=torch.float64)  # [2·k_i + 1]
                 u_draft[i, :ki], u_verify[i, :ki], u_verify[i, k] = d[:ki], d[ki:2 * ki], d[2 * ki]
         return u_draft.to(self.device), u_verify.to(self.device)
 

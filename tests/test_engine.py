@@ -160,6 +160,8 @@ def test_sampled_rows_process_p_and_q_alike(pair, tok, reference, monkeypatch):
 
     def propose(kv, rows, k, vocab, u):
         tokens, probs, logits = real_propose(kv, rows, k, vocab, u)  # [B, k], [B, k, V], [B, k, V]
+        if rows.all_greedy:  # the greedy row alone, once the sampled ones ended (EOS): argmax only
+            return tokens, probs, logits
         assert probs is not None and torch.equal(probs, spec.row_probs(logits, rows))
         assert torch.equal(tokens, inverse_cdf_sample(probs.flatten(0, 1), u.flatten()).view_as(tokens))
         sampled = probs[rows.temperature > 0]  # [S, k, V]
@@ -169,6 +171,8 @@ def test_sampled_rows_process_p_and_q_alike(pair, tok, reference, monkeypatch):
 
     def accept(logits, rows, draft_tokens, draft_probs, u):
         tokens, n, probs = real_accept(logits, rows, draft_tokens, draft_probs, u)
+        if rows.all_greedy:
+            return tokens, n, probs
         assert torch.equal(probs, spec.row_probs(logits, rows))  # [B, k+1, V]
         seen["p"] += 1
         return tokens, n, probs

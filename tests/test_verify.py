@@ -423,3 +423,36 @@ def test_kernels_import_without_triton():
     )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, check=True, timeout=60)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_uniforms_keep_their_float64_precision(impl):
+    """The engine draws float64 uniforms (a float32 torch.rand returns multiples of 2**-24 only, which
+    rounds every token's chance to that grid: 1.5e-3 total variation at V = 152k). The kernel cast
+    them to float32, which rounds u = 1 - 2**-28 up to 1 and picks the last token, whose mass is 2**-30
+    and whose inverse-CDF interval lies above that u."""
+    v = 4
+    p = torch.tensor([[[0.5, 0.25, 0.25 - 2.0**-30, 2.0**-30]]], dtype=torch.float32)  # [1, 1, V]
+    p = p.double().float()  # float32 cannot hold 0.25 - 2**-30: the last two entries as stored
+    u = torch.tensor([[1 - 2.0**-28]], dtype=torch.float64)  # [1, k+1]
+    out, _ = run(impl, p, torch.zeros(1, 0, v), torch.zeros(1, 0, dtype=torch.long), torch.zeros(1, dtype=torch.long), u)
+    cdf = p[0, 0].double().cumsum(0)
+    want = int((cdf <= u[0, 0] * cdf[-1]).sum().clamp(max=v - 1))
+    assert out[0, 0].item() == want
+
+
+def test_engine_uniforms_are_float64(tok):
+    """Off float32's 2**-24 grid, in the engine and in the disaggregated workers."""
+    from osd_serve.config import SamplingParams
+    from osd_serve.disagg import uniforms
+    from osd_serve.engine import SpecEngine
+    from tests.conftest import llama
+
+    model = llama(len(tok), seed=0)
+    eng = SpecEngine(model, model, tok)
+    for seed in range(40):
+        eng.add_request([5, 6, 7], SamplingParams(temperature=1.0, seed=seed, num_speculative_tokens=8, max_tokens=20))
+    eng._admit()
+    u_draft, u_verify = eng._uniforms([8] * len(eng.running))  # [B, k], [B, k+1]
+    for u in (u_draft, u_verify, uniforms(7, 0, 5, 1000)):
+        assert u.dtype == torch.float64 and ((u * 2**24) % 1 != 0).any()
