@@ -11,6 +11,7 @@ Two deployments, both thin:
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
@@ -201,8 +202,13 @@ def build_app(args: dict | None = None):
     from osd_serve.service import model_paths
 
     cfg = parse_config(args)
-    # Build the embedded default pair here, in the `serve run` process, so its progress shows in the
-    # user's terminal; replicas then find it cached (or build it on another node's disk).
+    if cfg.api_key is None:  # allowed (a private network), but never silently: a key exported in the
+        # shell that runs `serve run` is not seen here when the cluster was started elsewhere (ray start)
+        logging.getLogger(__name__).warning(
+            "no api_key: /v1 is open to anyone who can reach it. Set api_key in the config, or OSD_API_KEY in "
+            "the environment of the cluster (ray start, or runtime_env.env_vars)")
+    # Build the embedded default pair here, in the application build task, so its progress shows in
+    # `serve run`'s log; replicas then find it cached (or build it on another node's disk).
     model_paths(cfg)
     if cfg.topology == "disaggregated":
         from .disagg import DisaggBackend, DraftPool, Verifier

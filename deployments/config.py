@@ -7,6 +7,7 @@ than or equal to 1`, and unknown keys are refused so a typo never silently falls
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -135,6 +136,13 @@ class AppConfig(_Strict):
     distill: DistillConfig = DistillConfig()
     wandb: WandbConfig = WandbConfig()
 
+    @field_validator("api_key", "admin_key")
+    @classmethod
+    def _not_empty(cls, v: str | None) -> str | None:
+        if v == "":  # read as "no key" it opened /v1 (or disabled admin) without a word
+            raise ValueError("empty: leave it unset for no key")
+        return v
+
     @property
     def prompt_char_limit(self) -> int:
         return self.max_prompt_chars or 32 * self.max_model_len
@@ -164,6 +172,13 @@ class AppConfig(_Strict):
                              "replica holds both models to train beside); set it, or distill.enabled: false")
         self.api_key = self.api_key or os.environ.get("OSD_API_KEY") or None
         self.admin_key = self.admin_key or os.environ.get("OSD_ADMIN_KEY") or None
+        for name, env in (("api_key", "OSD_API_KEY"), ("admin_key", "OSD_ADMIN_KEY")):
+            key = getattr(self, name)
+            # A bearer token travels in an HTTP header, which Starlette reads as latin-1 and which
+            # cannot hold a newline: a key outside printable ASCII (a YAML `|` block's trailing
+            # newline, an accented letter) validated and then locked every client out.
+            if key is not None and not re.fullmatch(r"[\x21-\x7e]+", key):
+                raise ValueError(f"{name} (or {env}): printable ASCII without spaces only, as an HTTP bearer token")
         return self
 
 

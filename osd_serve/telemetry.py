@@ -8,6 +8,7 @@ vLLM with ``vllm:``, so a vLLM dashboard needs its prefix changed), and osd_ nam
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -19,7 +20,7 @@ def _percentile(xs, q: float) -> float | None:
     if not xs:
         return None
     s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))]
+    return s[max(0, math.ceil(q * len(s)) - 1)]  # nearest rank: p50 of 1..4 is 2, p99 of 1..100 is 99
 
 
 class _Prometheus:

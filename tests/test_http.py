@@ -497,3 +497,18 @@ def test_record_topk_reaches_the_recorders(tok, tmp_path):
 
 async def _collect(gen):
     return [d async for d in gen]
+
+
+@pytest.mark.parametrize("key, why", [("", "empty"), ("sk-123\n", "printable ASCII"), ("clé-secrète", "printable ASCII")])
+def test_a_key_no_client_could_send_is_refused_at_config_time(key, why, monkeypatch):
+    """A key with a newline (a YAML `|` block) or a non-ASCII letter validated, then matched no header
+    (Starlette reads headers as latin-1): every client was locked out. An empty one opened /v1."""
+    from deployments.config import parse_config
+
+    monkeypatch.delenv("OSD_API_KEY", raising=False)
+    with pytest.raises(ValueError, match=why):
+        parse_config({"api_key": key})
+    monkeypatch.setenv("OSD_API_KEY", key)
+    if key:  # from the environment too
+        with pytest.raises(ValueError, match="OSD_API_KEY"):
+            parse_config({})

@@ -96,3 +96,9 @@ def test_latency_counts_requests_that_ran_to_their_end():
     t.maybe_log(force=True)
     row = t.recent()[-1]
     assert row["latency_p50_s"] >= 1.0 and row["latency_p99_s"] <= 2.0, row
+
+
+def test_latency_percentiles_are_nearest_rank():
+    """int(q * n) read one rank high: p50 of 1..4 was 3, and p99 of fewer than 100 latencies the maximum."""
+    assert telemetry._percentile([4, 1, 3, 2], 0.5) == 2 and telemetry._percentile(list(range(1, 101)), 0.99) == 99
+    assert telemetry._percentile([7.0], 0.99) == 7.0 and telemetry._percentile([], 0.5) is None
