@@ -8,6 +8,7 @@ vLLM with ``vllm:``, so a vLLM dashboard needs its prefix changed), and osd_ nam
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import threading
@@ -119,6 +120,20 @@ class Telemetry:
         if mode != "disabled":
             self.run = _init_wandb(mode, explicit, project=project, dir=os.path.expanduser(directory), config=config or {},
                                    name=name)
+        # Rows were written only when the engine stepped: once traffic stopped, a version published by
+        # the distiller's age trigger, or a rollback, waited for the next request. With a W&B run, a
+        # timer writes each window on time (at most once a second); without one the rows feed only
+        # /admin/metrics, which writes the window when it is read.
+        self._stop = threading.Event()
+        if self.run is not None:
+            threading.Thread(target=self._tick, name="osd-telemetry", daemon=True).start()
+
+    def _tick(self) -> None:
+        while not self._stop.wait(max(self.log_every_s, 1.0)):
+            try:
+                self.maybe_log()
+            except Exception:  # noqa: BLE001  W&B must never take a replica down
+                logging.getLogger(__name__).exception("telemetry: writing a row failed")
 
     def on_step(self, expert: str, st) -> None:
         self.prom.step(expert, st)
@@ -195,6 +210,7 @@ class Telemetry:
             return list(self.history)
 
     def close(self) -> None:
+        self._stop.set()
         self.maybe_log(force=True)
         if self.run is not None:
             self.run.finish()

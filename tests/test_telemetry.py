@@ -102,3 +102,20 @@ def test_latency_percentiles_are_nearest_rank():
     """int(q * n) read one rank high: p50 of 1..4 was 3, and p99 of fewer than 100 latencies the maximum."""
     assert telemetry._percentile([4, 1, 3, 2], 0.5) == 2 and telemetry._percentile(list(range(1, 101)), 0.99) == 99
     assert telemetry._percentile([7.0], 0.99) == 7.0 and telemetry._percentile([], 0.5) is None
+
+
+def test_events_reach_wandb_without_traffic(tmp_path):
+    """Rows were written only when the engine stepped: with no traffic, a version the distiller
+    published waited for the next request. A W&B run now gets each window on time."""
+    t = Telemetry("offline", directory=str(tmp_path), log_every_s=1.0)
+    try:
+        logged = []
+        real = t.run.log
+        t.run.log = lambda row, *a, **k: (logged.append(row), real(row, *a, **k))
+        t.on_event("default", version=3, published=1)
+        deadline = time.time() + 10
+        while not any(r.get("version/default") == 3 for r in logged) and time.time() < deadline:
+            time.sleep(0.1)
+        assert any(r.get("version/default") == 3 for r in logged)
+    finally:
+        t.close()
