@@ -63,8 +63,7 @@ def _decode(tokenizer, ids: list[int], context: list[int] = ()) -> str:
     ``context``: the last prompt ids. Decoded alone, the output's first token loses its leading space
     with SentencePiece-style decoders, which strip the start of a text (Llama-2, Mistral: "▁Paris"
     gave "Paris" after "The capital is"); decoded after the context it keeps it, and the context's own
-    text is cut off. Where the context ends inside a UTF-8 character the output's text starts with
-    that character, which it completes."""
+    text is cut off. Request.context() passes none that ends inside a UTF-8 character."""
     kw = {"skip_special_tokens": True, "clean_up_tokenization_spaces": False}
     if not context:
         return tokenizer.decode(ids, **kw)
