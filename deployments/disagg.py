@@ -37,6 +37,8 @@ from .app import Readiness
 from .config import AppConfig
 
 IDLE_SEQUENCE_S = 600.0  # see Verifier._forget_idle
+
+
 def _report_ahead(fut) -> None:
     """Drafting ahead is a guess: when it fails, the next step drafts as usual (BatchKV.forward cuts a
     failed forward's columns back), so it is logged, not raised."""

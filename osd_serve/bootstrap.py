@@ -251,14 +251,13 @@ def _same_content_build(root: Path, data_files: list[str], cfg: PairConfig) -> P
     want = [(os.path.abspath(p), os.path.getsize(p)) for p in data_files]
     digests = None
     for d in sorted(root.glob("pair-*")):
-        if d.is_symlink() or not _is_complete(d, cfg):
-            continue
+        info = None if d.is_symlink() else _build_info(d, cfg)
         try:
-            files = json.loads((d / "build.json").read_text())["data_files"]
+            files = info["data_files"]
             if [(f["path"], f["bytes"]) for f in files] != want:
                 continue
             recorded = [f["sha256"] for f in files]  # builds before the digest was recorded have none
-        except (OSError, ValueError, KeyError, TypeError):
+        except (KeyError, TypeError):  # not a complete build of this recipe, or one without digests
             continue
         digests = digests or [_digest(p) for p in data_files]
         if recorded == digests:
@@ -284,15 +283,21 @@ def _paths(d: Path) -> dict:
     return {"target": str(d / "target"), "draft": str(d / "draft"), "prompts": str(d / "prompts.jsonl")}
 
 
-def _is_complete(d: Path, cfg: PairConfig) -> bool:
+def _build_info(d: Path, cfg: PairConfig) -> dict | None:
+    """A complete build's build.json, or None."""
     if not (d / COMPLETE_MARKER).exists():
-        return False
+        return None
     try:
         info = json.loads((d / "build.json").read_text())
     except (OSError, ValueError):
-        return False
+        return None
     # A preset edited since the build (or an older recipe) must not be served from cache.
-    return info.get("version") == BUILD_VERSION and info.get("config") == json.loads(json.dumps(asdict(cfg)))
+    ok = info.get("version") == BUILD_VERSION and info.get("config") == json.loads(json.dumps(asdict(cfg)))
+    return info if ok else None
+
+
+def _is_complete(d: Path, cfg: PairConfig) -> bool:
+    return _build_info(d, cfg) is not None
 
 
 def _owner() -> str:
