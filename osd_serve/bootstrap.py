@@ -332,6 +332,8 @@ def _sweep_stale_tmp(root: Path, foreign_after_s: float = 86400.0) -> None:
                 continue
         except ProcessLookupError:
             pass
+        except PermissionError:  # alive, another user's: signal 0 is refused, not answered with ESRCH
+            continue
         except (OSError, ValueError):  # no PID file: a build between its last two writes, or moved aside
             if age < 3600:
                 continue
@@ -394,7 +396,7 @@ def build_pair(data_files: list[str] | None = None, out_root: str | None = None,
         # Renames only, so a finished build is never half deleted in place: the old one moves aside
         # (it still carries its marker, but under a .tmp- name nothing looks up), this one moves in.
         old = root / f".tmp-{final.name}-old-{os.getpid()}-{time.time_ns()}"
-        if final.exists():
+        if os.path.lexists(final):  # not exists(): an alias whose build was deleted must go too
             os.replace(final, old)
         try:
             os.replace(tmp, final)

@@ -9,6 +9,7 @@ import json
 import os
 import random
 import sysconfig
+import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
@@ -89,6 +90,8 @@ def numbered_records(path: str) -> Iterator[tuple[int, object]]:
             raise ValueError(f"data file {path!r}: unsupported type (want .jsonl, .jsonl.gz or .json)")
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not UTF-8 text (byte {e.start} of a read block: {e.reason})") from None
+    except (gzip.BadGzipFile, EOFError, zlib.error) as e:  # cut short (EOFError) or damaged: neither is a ValueError
+        raise ValueError(f"{path}: not a readable gzip file ({e})") from None
 
 
 def read_documents(path: str) -> Iterator[str]:
@@ -103,8 +106,20 @@ def read_documents(path: str) -> Iterator[str]:
         return
     if not path.lower().endswith((".jsonl", ".jsonl.gz", ".json")):
         raise ValueError(f"data file {path!r}: unsupported type (want .txt, .jsonl, .jsonl.gz or .json)")
-    texts = (record_text(r) for r in read_records(path))
+    texts = (_checked_text(path, n, r) for n, r in numbered_records(path))
     yield from (p for t in texts if t.strip() for p in _pieces(t))
+
+
+def _checked_text(path: str, n: int, record: object) -> str:
+    """record_text, refusing a lone surrogate (a JSON '\\ud800' escape): no UTF-8 encodes it, and the
+    tokenizer trainer failed on it later naming no file."""
+    text = record_text(record)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        where = f"{path}:{n}" if path.lower().endswith((".jsonl", ".jsonl.gz")) else f"{path} record {n}"
+        raise ValueError(f"{where}: not text ({e.reason}: a lone {text[e.start]!r} escape)") from None
+    return text
 
 
 def stdlib_files() -> list[Path]:

@@ -49,13 +49,14 @@ from .output import check_prompt
 def _records(path: str) -> list[tuple[str, object]]:
     """[(where, record)]: where names the line of a .jsonl (the record of a .json array), for errors
     found later, such as a prompt too long for the pair."""
-    if not path.endswith((".jsonl", ".jsonl.gz", ".json")):
+    name = path.lower()  # as corpus.numbered_records reads it: bootstrap took X.JSONL, replay refused it
+    if not name.endswith((".jsonl", ".jsonl.gz", ".json")):
         raise ValueError(f"--data {path!r}: want .jsonl, .jsonl.gz or .json")
-    label = "{}:{}" if path.endswith((".jsonl", ".jsonl.gz")) else "{} record {}"
+    label = "{}:{}" if name.endswith((".jsonl", ".jsonl.gz")) else "{} record {}"
     return [(label.format(path, n), rec) for n, rec in numbered_records(path)]
 
 
-def _prompt(rec, fields: list[str] | None, template: str | None, path: str) -> str | None:
+def _prompt(rec, fields: list[str] | None, template: str | None, where: str) -> str | None:
     if isinstance(rec, str):
         return rec
     if not isinstance(rec, dict):
@@ -64,9 +65,10 @@ def _prompt(rec, fields: list[str] | None, template: str | None, path: str) -> s
         try:
             return template.format(**rec)
         except KeyError as e:
-            raise ValueError(f"--template names field {e} that {path} records lack (fields: {sorted(rec)})") from None
+            # where, not the file: one record without the field is enough, and must be findable
+            raise ValueError(f"--template names field {e} that {where} lacks (fields: {sorted(rec)})") from None
         except (IndexError, AttributeError, TypeError, ValueError) as e:  # '{n[0]}' on an int, a lone '{'
-            raise ValueError(f"--template {template!r} does not fit the records of {path}: {e!r}") from None
+            raise ValueError(f"--template {template!r} does not fit {where}: {e!r}") from None
     for name in fields or [k for k, v in rec.items() if isinstance(v, str)]:
         if isinstance(rec.get(name), str) and rec[name].strip():
             return rec[name].rstrip() + "\n"  # the training text put the answer on the next line
@@ -79,12 +81,21 @@ def load_stream(files: list[str], fields: list[str] | None = None, template: str
     several files is a shift: each file contributes an equal share of max_requests, one after the other."""
     if order not in ("sequential", "shuffle"):
         raise ValueError(f"order must be sequential or shuffle, got {order!r}")
+    if not files:  # each file's share divides by their number
+        raise ValueError("load_stream needs at least one data file")
+    if max_requests is not None and max_requests < 1:  # 0 is falsy: it read as no limit at all
+        raise ValueError(f"max_requests must be >= 1 (or None: every record), got {max_requests}")
     per_file = []
     for path in files:
-        items = [{"prompt": p, "source": Path(path).name, "where": where} for where, rec in _records(path)
-                 if (p := _prompt(rec, fields, template, path))]
+        records = _records(path)
+        items = [{"prompt": p, "source": Path(path).name, "where": where} for where, rec in records
+                 if (p := _prompt(rec, fields, template, where))]
+        if not records:  # said "no record has the field(s) None" before
+            raise ValueError(f"--data {path}: holds no records")
         if not items:
-            raise ValueError(f"--data {path}: no record has the field(s) {fields}")
+            want = "a non-empty --template text" if template is not None else \
+                f"the field(s) {fields}" if fields else "a non-empty string field"
+            raise ValueError(f"--data {path}: no record has {want}")
         random.Random(seed).shuffle(items)  # a random sample of each file, not its first rows
         per_file.append(items)
     if order == "shuffle":

@@ -271,3 +271,46 @@ def test_a_long_first_record_does_not_leave_its_source_empty(tmp_path):
     # (now cut into pieces of at most MAX_DOC_CHARS: the first fits the share, the next would not)
     assert len(docs[0]) == min(share, corpus.MAX_DOC_CHARS) and docs[0].startswith("word word")
     assert docs[1:] == [f"question {i}" for i in range(5)]
+
+
+def _fake_build(out, data_files, cfg, preset):
+    """A build in milliseconds: what build_pair needs of _build_into (the directories and the build info)."""
+    (out / "target").mkdir()
+    (out / "draft").mkdir()
+    files = [{"path": os.path.abspath(p), "bytes": os.path.getsize(p), "sha256": bootstrap._digest(p)}
+             for p in data_files or []]
+    return {"version": bootstrap.BUILD_VERSION, "preset": preset, "config": bootstrap.asdict(cfg), "data_files": files}
+
+
+def test_a_dangling_alias_is_replaced_not_fatal(tmp_path, monkeypatch):
+    """An alias (_alias) whose build was deleted (cache clean-up) made every later call of those files
+    train the whole pair and then fail: final.exists() follows the link, so the dangling link was not
+    moved aside and renaming the new build over it raised NotADirectoryError."""
+    monkeypatch.setattr(bootstrap, "_build_into", _fake_build)
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"q": "a"}\n')
+    root = tmp_path / "out"
+    root.mkdir()
+    final = root / bootstrap._cache_name([str(data)], "tiny", bootstrap.PRESETS["tiny"])
+    os.symlink("pair-0123456789ab", final)  # its build is gone
+    paths = build_pair([str(data)], out_root=str(root), preset="tiny")
+    assert paths["target"] == str(final / "target") and not final.is_symlink()
+    assert bootstrap._is_complete(final, bootstrap.PRESETS["tiny"])
+    assert sorted(p.name for p in root.iterdir()) == [final.name]
+
+
+def test_sweep_keeps_a_live_build_of_another_user(tmp_path, monkeypatch):
+    """os.kill(pid, 0) on another user's live process raises PermissionError: the build was taken for a
+    dead one without a PID file and, an hour old, deleted under its owner."""
+    d = tmp_path / ".tmp-default-pair-theirs"
+    d.mkdir()
+    (d / "PID").write_text(f"{socket.gethostname()} 4242")
+    old = time.time() - 7200
+    os.utime(d, (old, old))
+
+    def kill(pid, sig):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(bootstrap.os, "kill", kill)
+    bootstrap._sweep_stale_tmp(tmp_path)
+    assert d.exists()

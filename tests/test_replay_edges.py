@@ -1,0 +1,88 @@
+"""Bad inputs to `osd-serve replay` and bootstrap's data readers: a clear error naming the file, line or
+option, never a traceback or a silently different stream."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from osd_serve.corpus import numbered_records, read_documents
+from osd_serve.replay import load_stream
+
+
+def _jsonl(path, recs) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs), encoding="utf-8")
+    return str(path)
+
+
+def test_a_corrupt_or_truncated_gzip_is_named(tmp_path):
+    """A .jsonl.gz cut short (an interrupted copy) raised EOFError, a damaged one zlib.error: neither is
+    ValueError or OSError, so both commands ended in a traceback; a plain file named .gz said only
+    'Not a gzipped file', without its name."""
+    data = gzip.compress("".join(json.dumps({"q": f"question {i}"}) + "\n" for i in range(2000)).encode())
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(data[: len(data) // 2])
+    damaged = tmp_path / "damaged.jsonl.gz"
+    damaged.write_bytes(data[:20] + b"\x00" * 20 + data[40:])
+    plain = tmp_path / "plain.jsonl.gz"
+    plain.write_text('{"q": "x"}\n')
+    for f in (cut, damaged, plain):
+        with pytest.raises(ValueError, match=f"{f}: not a readable gzip file"):
+            list(numbered_records(str(f)))
+        with pytest.raises(ValueError, match=str(f)):
+            list(read_documents(str(f)))
+        with pytest.raises(ValueError, match=str(f)):
+            load_stream([str(f)])
+
+
+def test_max_requests_zero_is_refused_not_unlimited(tmp_path):
+    """max_requests=0 was falsy, so it returned the whole stream."""
+    data = _jsonl(tmp_path / "d.jsonl", [{"q": f"q{i}"} for i in range(5)])
+    assert len(load_stream([data], max_requests=2)) == 2
+    with pytest.raises(ValueError, match="max_requests"):
+        load_stream([data], max_requests=0)
+
+
+def test_a_template_field_one_record_lacks_names_its_line(tmp_path):
+    """The error said the file's records lack the field, when one record did: name that record's line."""
+    data = _jsonl(tmp_path / "d.jsonl", [{"q": "a", "c": "x"}, {"q": "b", "c": "y"}, {"q": "c"}])
+    with pytest.raises(ValueError, match=f"--template .*'c'.*{data}:3"):
+        load_stream([data], template="{q} {c}")
+
+
+def test_an_empty_file_is_named_as_empty(tmp_path):
+    """An empty file (or one of blank lines) said 'no record has the field(s) None'."""
+    empty = tmp_path / "e.jsonl"
+    empty.write_text("\n\n")
+    with pytest.raises(ValueError, match=f"{empty}: holds no records"):
+        load_stream([str(empty)])
+    numbers = _jsonl(tmp_path / "n.jsonl", [1, 2])  # records, but none with text
+    with pytest.raises(ValueError, match="no record has a non-empty string field"):
+        load_stream([numbers])
+    with pytest.raises(ValueError, match=r"no record has the field\(s\) \['x'\]"):
+        load_stream([numbers], fields=["x"])
+
+
+def test_a_lone_surrogate_escape_in_bootstrap_data_is_named(tmp_path):
+    """'\\ud800' is valid JSON in a UTF-8 file, but no text: the tokenizer trainer then failed with
+    "'utf-8' codec can't encode character", naming no file, however many --data files there were."""
+    data = tmp_path / "s.jsonl"
+    data.write_text('{"q": "fine"}\n{"q": "a \\ud800 b"}\n', encoding="utf-8")
+    with pytest.raises(ValueError, match=f"{data}:2: .*surrogate"):
+        list(read_documents(str(data)))
+    arr = tmp_path / "s.json"
+    arr.write_text('[{"q": "fine"}, {"q": "a \\udc00 b"}]', encoding="utf-8")
+    with pytest.raises(ValueError, match=f"{arr} record 2: .*surrogate"):
+        list(read_documents(str(arr)))
+
+
+def test_replay_reads_what_bootstrap_reads_and_refuses_no_files(tmp_path):
+    """An upper-case extension: bootstrap's reader took X.JSONL and replay refused it. No files at all
+    divided each file's share by zero."""
+    path = _jsonl(tmp_path / "UPPER.JSONL", [{"q": "what is 2 + 2?"}, {"q": "name a colour"}])
+    assert len(list(read_documents(path))) > 0
+    assert sorted(r["prompt"] for r in load_stream([path], fields=["q"])) == ["name a colour\n", "what is 2 + 2?\n"]
+    with pytest.raises(ValueError, match="at least one data file"):
+        load_stream([], max_requests=4)
