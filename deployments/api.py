@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 import uuid
 
 from fastapi import FastAPI, Request
@@ -92,6 +93,15 @@ def make_app(backend, cfg: AppConfig) -> FastAPI:
         err = RequestError(f"{param}: {first['msg']}" if param else first["msg"], param)
         return JSONResponse(err.body(), status_code=err.status)
 
+    @app.exception_handler(Exception)
+    async def _server_error(_, e: Exception):
+        # Anything else that raised (GET /admin/experts while the engine replica is down) was Starlette's
+        # plain-text "Internal Server Error", not OpenAI's shape. Starlette still re-raises it: the
+        # server logs the traceback. The type only: a Ray error's str() is the remote traceback.
+        cause = getattr(e, "cause", None)
+        kind = type(cause if isinstance(cause, Exception) else e).__name__
+        return JSONResponse(RequestError(f"the server failed: {kind}", None, 500).body(), 500)
+
     @app.middleware("http")
     async def _auth(request: Request, call_next):
         # Deny by default, and match path segments, not a prefix: the app may be mounted under any
@@ -163,7 +173,7 @@ def make_app(backend, cfg: AppConfig) -> FastAPI:
         except Exception as e:  # noqa: BLE001  the backend call failed (its replica died): OpenAI's 500, not a bare one
             raise engine_failed(e) from None
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        model = cfg.served_model_name
+        model, created = cfg.served_model_name, int(time.time())  # one timestamp for all of a stream's chunks
 
         n_prompt = first.get("prompt_tokens", 0)
 
@@ -180,14 +190,14 @@ def make_app(backend, cfg: AppConfig) -> FastAPI:
                             failed = engine_failed()
                             break
                         if d["text"] or d["finished"] or n == 0:
-                            yield sse(chunk_body(rid, model, d["text"], d["finish_reason"] if d["finished"] else None, chat, n == 0))
+                            yield sse(chunk_body(rid, model, d["text"], d["finish_reason"] if d["finished"] else None, chat, created, n == 0))
                             n += 1
                 except Exception as e:  # noqa: BLE001  a replica died mid-stream: the stream was cut with no end
                     failed = engine_failed(e)
                 if failed is not None:
                     yield sse(failed.body())
                 elif req.stream_options is not None and req.stream_options.include_usage:
-                    yield sse(usage_chunk(rid, model, usage(n_tok), chat))
+                    yield sse(usage_chunk(rid, model, usage(n_tok), chat, created))
                 yield sse("[DONE]")
 
             return StreamingResponse(events(), media_type="text/event-stream", headers={"x-osd-expert": expert})
@@ -202,7 +212,7 @@ def make_app(backend, cfg: AppConfig) -> FastAPI:
             raise engine_failed(e) from None
         if finish == "error":
             raise engine_failed()
-        return JSONResponse(completion_body(rid, model, text, finish, usage(n_tok), chat), headers={"x-osd-expert": expert})
+        return JSONResponse(completion_body(rid, model, text, finish, usage(n_tok), chat, created), headers={"x-osd-expert": expert})
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -11,7 +11,6 @@ Extensions beyond OpenAI: `top_k`, `expert` (pin a draft expert), `num_speculati
 from __future__ import annotations
 
 import json
-import time
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
@@ -63,6 +62,13 @@ _UNIMPLEMENTED = {
 }
 
 
+def _null_is_default(cls, v, info):
+    """OpenAI's API takes null for these (nullable, "defaults to 1"...), and the openai client sends it for
+    an argument passed as None (temperature=None): null means the default, as it does there. Strict
+    types refused it with a 400."""
+    return cls.model_fields[info.field_name].default if v is None else v
+
+
 def _neutral_only(v, info):
     neutral, why = _UNIMPLEMENTED[info.field_name]
     if v not in neutral:  # by ==: 0.0 is 0; strict types already keep true out of the int fields
@@ -96,6 +102,8 @@ class _Sampling(_Strict):
     top_logprobs: int | None = None
     logit_bias: dict[str, float] | None = None
     _neutral = field_validator("frequency_penalty", "presence_penalty", "logprobs", "top_logprobs", "logit_bias")(_neutral_only)
+    _null = field_validator("temperature", "top_p", "n", "stream", "frequency_penalty", "presence_penalty",
+                            mode="before")(classmethod(_null_is_default))
 
     @field_validator("stop")
     @classmethod
@@ -120,6 +128,7 @@ class CompletionRequest(_Sampling):
     best_of: int | None = None
     suffix: str | None = None
     _neutral_completion = field_validator("echo", "best_of", "suffix")(_neutral_only)
+    _null_echo = field_validator("echo", mode="before")(classmethod(_null_is_default))
 
     @field_validator("prompt")
     @classmethod
@@ -304,29 +313,34 @@ def engine_error(e: ValueError) -> RequestError:
 _FIELD_NAMES = {n for m in (CompletionRequest, ChatRequest, ChatMessage, StreamOptions, TextPart) for n in m.model_fields}
 
 
-def completion_body(rid: str, model: str, text: str, finish: str | None, usage: dict, chat: bool) -> dict:
+# created: when the request was taken (int(time.time())), given by the caller. Every chunk of a stream
+# carries the same one, as OpenAI's do ("Each chunk has the same timestamp"); stamped per chunk, a
+# stream that crossed a second boundary changed it midway.
+
+
+def completion_body(rid: str, model: str, text: str, finish: str | None, usage: dict, chat: bool, created: int) -> dict:
     if chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
-        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+        return {"id": rid, "object": "chat.completion", "created": created, "model": model,
                 "choices": [choice], "usage": usage}
     choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": [choice], "usage": usage}
 
 
-def chunk_body(rid: str, model: str, text: str, finish: str | None, chat: bool, first: bool = False) -> dict:
+def chunk_body(rid: str, model: str, text: str, finish: str | None, chat: bool, created: int, first: bool = False) -> dict:
     if chat:
         delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text or not finish else {})
         choice = {"index": 0, "delta": delta, "finish_reason": finish}
-        return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model, "choices": [choice]}
+        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
     choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model, "choices": [choice]}
+    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
 
 
-def usage_chunk(rid: str, model: str, usage: dict, chat: bool) -> dict:
+def usage_chunk(rid: str, model: str, usage: dict, chat: bool, created: int) -> dict:
     """The last chunk of a stream with stream_options.include_usage: no choices, the usage."""
     kind = "chat.completion.chunk" if chat else "text_completion"
-    return {"id": rid, "object": kind, "created": int(time.time()), "model": model, "choices": [], "usage": usage}
+    return {"id": rid, "object": kind, "created": created, "model": model, "choices": [], "usage": usage}
 
 
 def sse(obj: dict | str) -> str:
