@@ -27,7 +27,7 @@ from .engine import StepStats
 from .kv import BatchKV, make_hole_safe, pad_right
 from .output import Request, StreamDelta
 from .sampling import seeded_generator
-from .spec import RowState, accept, fit_vocab, propose
+from .spec import RowState, accept, broken_rows, fit_vocab, propose
 
 _DRAFT, _AHEAD, _VERIFY = 1, 2, 3  # uniform streams: never share uniforms between these roles
 # A sequence runs a step every few tens of milliseconds; one whose cache row has sat unused this long on
@@ -98,6 +98,7 @@ class Verdict:
     tokens: list[int]  # accepted draft tokens, then one target token (correction or bonus)
     accepted: int
     recomputed: int  # history tokens this step fed because the worker lacked them (0 on a cache hit)
+    broken: bool = False  # the target's logits ranked nothing (NaN): no token, the request ends in an error
 
 
 def _lcp(a: list[int], b: list[int]) -> int:
@@ -323,6 +324,7 @@ class TargetVerifier:
             u[i, :ki], u[i, kmax] = d[:ki], d[ki]
         u = u.to(dev)
         tokens, n_acc, _ = accept(logits, rows, draft, q, u)
+        broken = broken_rows(logits, n_acc).tolist()  # [B]: argmax and sampling would have said token 0
         n_acc_l, tokens = n_acc.tolist(), tokens.tolist()
         if self.recorder is not None:
             if q is None:  # all greedy: the draft's q is one-hot at its tokens (padding past k_i is never read)
@@ -333,7 +335,8 @@ class TargetVerifier:
         # The cache keeps the history and the accepted drafts; the correction/bonus token is fed next step.
         kv.truncate(torch.tensor([len(h) + a for h, a in zip(hist, n_acc_l)], device=dev))
         self.caches.set_tokens(ids, [h + it.draft[:a] for h, it, a in zip(hist, items, n_acc_l)])
-        verdicts = [Verdict(t[: a + 1], a, len(f) - 1) for t, a, f in zip(tokens, n_acc_l, feeds)]
+        verdicts = [Verdict([] if bad else t[: a + 1], 0 if bad else a, len(f) - 1, bad)
+                    for t, a, f, bad in zip(tokens, n_acc_l, feeds, broken)]
         return verdicts, self._stats(items, verdicts, time.perf_counter() - t0)
 
     @staticmethod
@@ -382,6 +385,10 @@ async def run_request(
         prop = await propose_fn(item) if k else Proposal([], None)
         v = await verify_fn(VerifyItem(req.request_id, history, prop.tokens, prop.probs, s, req.expert,
                                        len(req.prompt_ids), prop.version))
+        if v.broken:  # as SpecEngine.step: nothing the target did not choose is emitted
+            req.finish_reason = "error"
+            yield req.delta()
+            return
         req.proposed += k
         req.accepted += v.accepted
         req.steps += 1

@@ -21,7 +21,7 @@ from .kv import BatchKV, make_hole_safe, pad_right
 from .loading import max_positions
 from .output import Completion, Prompt, Request, StreamDelta, check_prompt, eos_token_ids, fit_max_tokens
 from .sampling import seeded_generator
-from .spec import RowState, speculative_step
+from .spec import RowState, broken_rows, speculative_step
 
 
 @dataclass
@@ -91,8 +91,11 @@ class SpecEngine:
 
     def abort(self, request_id: str) -> None:
         """Stop a request (e.g. its client disconnected); its row leaves the batch at the next step."""
-        for r in itertools.chain(self.waiting, self.running):
-            if r.request_id == request_id and not r.finished:
+        self._abort_all(r for r in itertools.chain(self.waiting, self.running) if r.request_id == request_id)
+
+    def _abort_all(self, requests) -> None:
+        for r in list(requests):
+            if not r.finished:
                 r.finish_reason = "abort"
         self.waiting = deque(r for r in self.waiting if not r.finished)
 
@@ -181,13 +184,17 @@ class SpecEngine:
         u_draft, u_verify = self._uniforms(k_rows)
         out = speculative_step(self._target_kv, self._draft_kv, rows, self.vocab, u_draft, u_verify)
         tokens, n_acc = out.tokens.tolist(), out.num_accepted.tolist()
+        broken = broken_rows(out.target_logits, out.num_accepted).tolist()  # [B]
         if self.recorder is not None:
             before = [len(r.output_ids) for r in self.running]
             self.recorder.observe(self.running, out, n_acc, k_rows, before, self.draft_version)
         acc_pos, prop_pos = [0] * k, [0] * k
         emitted = 0
-        for r, toks, a, kr in zip(self.running, tokens, n_acc, k_rows):
+        for r, toks, a, kr, bad in zip(self.running, tokens, n_acc, k_rows, broken):
             if r.finished:  # aborted mid-step
+                continue
+            if bad:  # its tokens came from NaN logits, not from the target's choice: none is emitted
+                r.finish_reason = "error"
                 continue
             r.proposed += kr
             r.accepted += a
@@ -279,10 +286,13 @@ class SpecEngine:
 
     def stream(self, prompts, params=None) -> Iterator[StreamDelta]:
         """Run prompts to completion with continuous batching, yielding deltas as tokens are accepted."""
-        self.submit(prompts, params)
-        while self.has_unfinished():
-            deltas, _ = self.step()
-            yield from (d for d in deltas if d.token_ids or d.text or d.finished)
+        reqs = self.submit(prompts, params)
+        try:
+            while self.has_unfinished():
+                deltas, _ = self.step()
+                yield from (d for d in deltas if d.token_ids or d.text or d.finished)
+        finally:  # a consumer that stops early (break, an exception) must not leave its rows decoding
+            self._abort_all(reqs)
 
     def generate(self, prompts, params=None, stats: list | None = None) -> list[Completion]:
         """Run prompts to completion; one Completion per prompt, in order.

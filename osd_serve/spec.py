@@ -140,6 +140,15 @@ def accept(target_logits: torch.Tensor, rows: RowState, draft_tokens: torch.Tens
     return tokens, num_accepted, target_probs
 
 
+def broken_rows(target_logits: torch.Tensor, num_accepted: torch.Tensor) -> torch.Tensor:
+    """[B] bool: rows whose tokens this step came from a target distribution that ranks nothing, logits
+    [B, k+1, V] with no finite maximum (NaN from an overflow inside the model, or all -inf) at one of
+    the positions 0..num_accepted [B] that chose them. Argmax and sampling both return token 0 there."""
+    top = target_logits.amax(-1)  # [B, k+1] NaN where any logit is NaN
+    decided = torch.arange(top.shape[1], device=top.device)[None, :] <= num_accepted[:, None]  # [B, k+1]
+    return ((top.isnan() | (top == float("-inf"))) & decided).any(1)
+
+
 def speculative_step(
     target: BatchKV, draft: BatchKV, rows: RowState, vocab: int, u_draft: torch.Tensor, u_verify: torch.Tensor
 ) -> StepOutput:
