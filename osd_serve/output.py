@@ -88,7 +88,7 @@ class Completion:
     prompt: str
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" (NaN target logits) | None while running
     proposed: int = 0  # draft tokens proposed for this request
     accepted: int = 0  # draft tokens the target accepted
     steps: int = 0  # target forwards spent on this request (decode steps)
@@ -224,10 +224,7 @@ class Request:
             if self.text.endswith("\ufffd"):
                 end -= 1
             for s in self.params.stop:
-                for n in range(min(len(s) - 1, end), 0, -1):
-                    if self.text[:end].endswith(s[:n]):
-                        end -= n
-                        break
+                end -= _stop_prefix_at_end(self.text, end, s)
         end = max(end, self._sent_chars)
         ids_end = max(len(self.output_ids) if self.finished else self._rendered, self._sent_ids)
         d = StreamDelta(
@@ -245,3 +242,20 @@ class Request:
             self.request_id, self.prompt, self.text, list(self.output_ids), self.finish_reason,
             self.proposed, self.accepted, self.steps,
         )
+
+
+def _stop_prefix_at_end(text: str, end: int, stop: str) -> int:
+    """The length of the longest proper prefix of ``stop`` that ``text[:end]`` ends with (0 if none).
+    Only the last len(stop) - 1 characters can hold one; where 16 or more of them are left, only at a
+    match of stop's first 16 characters, found by str.find. Trying every length by slicing the whole
+    text (what this replaced) cost O(len(text)·len(stop)) per stop each step: 20 ms a step with 16
+    stops of 6,000 characters on 8,000 characters of text, on the loop every row waits on."""
+    tail = text[max(0, end - len(stop) + 1) : end]
+    head = stop[:16]
+    i = tail.find(head)  # the earliest fit is the longest
+    while i >= 0 and not stop.startswith(tail[i:]):
+        i = tail.find(head, i + 1)
+    if i >= 0:
+        return len(tail) - i
+    return next((len(tail) - j for j in range(max(0, len(tail) - len(head) + 1), len(tail))
+                 if stop.startswith(tail[j:])), 0)

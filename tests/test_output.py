@@ -205,3 +205,19 @@ def test_output_decoded_after_the_prompt_streams_what_it_returns_wherever_the_pr
         head = bpe.decode(prompt)
         if not head.endswith("\ufffd"):  # the prompt ends between characters: the output is the rest
             assert r.text == bpe.decode(prompt + out)[len(head):]
+
+
+def test_stop_hold_back_is_the_longest_stop_prefix_the_text_ends_with():
+    """The hold-back search, which looks only where the stop's first 16 characters match, against
+    trying every prefix length, on texts made of pieces of the stop (so partial matches are common)."""
+    from osd_serve.output import _stop_prefix_at_end
+
+    rng = random.Random(0)
+    for _ in range(20000):
+        # Stops past the 16 characters the search matches first, texts made of pieces of the stop.
+        stop = "".join(rng.choice("ab") for _ in range(rng.randrange(1, 40)))
+        pieces = [stop[: rng.randrange(0, len(stop) + 1)] if rng.random() < 0.5 else rng.choice("ab") for _ in range(6)]
+        text = "".join(pieces)
+        end = rng.randrange(0, len(text) + 1)
+        want = next((n for n in range(min(len(stop) - 1, end), 0, -1) if text[:end].endswith(stop[:n])), 0)
+        assert _stop_prefix_at_end(text, end, stop) == want, (text, end, stop)
