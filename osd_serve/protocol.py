@@ -130,10 +130,26 @@ class CompletionRequest(_Sampling):
     _neutral_completion = field_validator("echo", "best_of", "suffix")(_neutral_only)
     _null_echo = field_validator("echo", mode="before")(classmethod(_null_is_default))
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, v):
+        # OpenAI's prompt may be a batch (a list of texts or of token-id lists); one of one is that
+        # prompt, as LangChain's OpenAI LLM sends every prompt. A longer batch stays a 400 (n is 1).
+        return v[0] if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)) else v
+
     @field_validator("prompt")
     @classmethod
     def _prompt_text(cls, v):
         return _unicode(v)
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_chosen_logprobs(cls, v):
+        # The completions API's logprobs is a count: 0 still asks for the chosen tokens' own
+        # logprobs (OpenAI, vLLM), so unlike chat's false it asks for something this server lacks.
+        if v is None or v is False:
+            return v
+        raise ValueError("log probabilities are not returned by this server; send null (0 asks for the chosen tokens')")
 
 
 class TextPart(_Strict):

@@ -20,7 +20,7 @@ class Scripted:
     """A backend that answers every request with the same two deltas and keeps the params it got."""
 
     def __init__(self):
-        self.params = []
+        self.params, self.prompts = [], []
 
     def experts(self):
         return ["default"]
@@ -30,6 +30,7 @@ class Scripted:
 
     async def stream(self, expert, prompt, params):
         self.params.append(params)
+        self.prompts.append(prompt)
         yield {"text": "ab", "token_ids": [1, 2], "finished": False, "finish_reason": None, "prompt_tokens": 3}
         yield {"text": "c", "token_ids": [3], "finished": True, "finish_reason": "length", "prompt_tokens": 3}
 
@@ -98,3 +99,24 @@ def test_an_unexpected_failure_is_a_500_in_openai_shape(client):
     err = r.json()["error"]
     assert err["type"] == "server_error" and err["message"] == "the server failed: RuntimeError"
     assert "replica is gone" not in r.text  # the type, not the message: a Ray error's str() is a remote traceback
+
+
+@pytest.mark.parametrize("prompt,want", [(["x"], "x"), ([[5, 6]], [5, 6])])
+def test_a_one_prompt_batch_is_that_prompt(client, backend, prompt, want):
+    """OpenAI's prompt may be a list of prompts; LangChain's OpenAI LLM sends one in a list. One of
+    one was a 400; more than one stays a 400 naming prompt."""
+    r = _post(client, "/v1/completions", {"prompt": prompt, "max_tokens": 3})
+    assert r.status_code == 200, r.text
+    assert backend.prompts[-1] == want
+    r = _post(client, "/v1/completions", {"prompt": [prompt[0], prompt[0]]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+def test_a_completions_logprobs_of_0_is_refused(client):
+    """A completion's logprobs is a count, and 0 still asks for the chosen tokens' logprobs (OpenAI,
+    vLLM): accepted and ignored, the client got logprobs null. Null (and chat's false) ask nothing."""
+    r = _post(client, "/v1/completions", {"prompt": "x", "logprobs": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+    assert _post(client, "/v1/completions", {"prompt": "x", "logprobs": None}).status_code == 200
+    chat = {"messages": [{"role": "user", "content": "x"}], "logprobs": False}
+    assert _post(client, "/v1/chat/completions", chat).status_code == 200
