@@ -136,7 +136,7 @@ def cpu_info() -> dict:
     """The CPU a report was measured on: runs on different hosts are not comparable, and whether bf16
     is native (AVX512-BF16, AMX) decides how verification cost grows with k (benchmarks/ENGINE.md)."""
     try:
-        text = open("/proc/cpuinfo", encoding="utf-8").read()
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8")  # closed, not left to the collector
     except OSError:  # not Linux
         return {}
 
@@ -226,9 +226,9 @@ def engine_run(target, draft, tok, ids, batch: int, max_tokens: int, k: int):
     return outs, stats
 
 
-def check_inputs(target, draft, tok, ids: list[list[int]], max_tokens: int, ks) -> None:
+def check_inputs(target, draft, tok, ids: list[list[int]], max_tokens: int, ks) -> int:
     """Every k and every prompt + max_tokens fit the engine: checked before the first timed run, not by
-    the engine's own runs after every HF baseline has been timed."""
+    the engine's own runs after every HF baseline has been timed. Returns the engine's max_model_len."""
     eng = SpecEngine(target, draft, tok)
     params = SamplingParams(max_tokens=max_tokens, num_speculative_tokens=max(ks))  # raises naming the field
     for i, p in enumerate(ids, 1):
@@ -236,6 +236,7 @@ def check_inputs(target, draft, tok, ids: list[list[int]], max_tokens: int, ks) 
             check_prompt(tok, eng.vocab, eng.max_model_len, p, params)
         except ValueError as e:
             raise ValueError(f"prompt {i}: {e}") from None
+    return eng.max_model_len
 
 
 def run_bench(
@@ -250,14 +251,19 @@ def run_bench(
     device = next(target.parameters()).device
     vocab = target.get_output_embeddings().weight.shape[0]
     ids = [tok.encode(p) for p in prompts]
-    check_inputs(target, draft, tok, ids, max_tokens, ks)
-    ctx = int(statistics.median(map(len, ids))) + max_tokens // 2
+    max_len = check_inputs(target, draft, tok, ids, max_tokens, ks)
+    # c and v are timed on a cache of ctx tokens plus up to max(ks)+1 more: all within the pair's
+    # positions (a prompt near them fits the engine, which never drafts past max_tokens, but ctx +
+    # k + 1 ran past GPT-2's learned positions after every decoder's round)
+    ctx = min(int(statistics.median(map(len, ids))) + max_tokens // 2, max_len - max(ks) - 1)
     results: list[DecoderResult] = []
     summary = {}
-    # Warm-up every path once so lazy initialisation is not timed.
-    hf_generate(target, tok, ids[:1], 4, 1)
-    hf_generate(target, tok, ids[:1], 4, 1, assistant=draft)
-    SpecEngine(target, draft, tok).generate(ids[:1], SamplingParams(max_tokens=4))
+    # Warm-up every path once so lazy initialisation is not timed; no more tokens than max_tokens,
+    # which check_inputs fitted to the prompts (4 failed a prompt that fits with max_tokens 2 or 3).
+    warm = min(4, max_tokens)
+    hf_generate(target, tok, ids[:1], warm, 1)
+    hf_generate(target, tok, ids[:1], warm, 1, assistant=draft)
+    SpecEngine(target, draft, tok).generate(ids[:1], SamplingParams(max_tokens=warm))
     # (b) and (b, k matched) run at batch 1 whatever the batch size (HF's limit): timed in the first
     # size's rounds and reused for the others, not run again for the same numbers.
     hf_runs: dict = {}

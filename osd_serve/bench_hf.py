@@ -21,10 +21,26 @@ def hf_assisted_settings(draft) -> dict:
     return {n: v if (v := getattr(draft.generation_config, n, None)) is not None else defaults.get(n) for n in names}
 
 
+@contextlib.contextmanager
+def plain_greedy(model):
+    """The model's generation config without its decoding settings while HF generates: transformers
+    applies a config's repetition penalty, n-gram ban, minimum length or beams even to greedy
+    decoding (Qwen2.5-Instruct ships repetition_penalty 1.05), and the engine applies none of them."""
+    from transformers import GenerationConfig
+
+    before = model.generation_config
+    model.generation_config = GenerationConfig(
+        bos_token_id=before.bos_token_id, eos_token_id=before.eos_token_id, pad_token_id=before.pad_token_id)
+    try:
+        yield
+    finally:
+        model.generation_config = before
+
+
 def hf_generate(model, tok, prompts: list[list[int]], max_tokens: int, batch: int, assistant=None) -> list[list[int]]:
-    """HF generate, greedy. Assisted generation only supports batch 1 in transformers, so it runs per
-    prompt whatever ``batch`` is (reported as such: HF_ASSISTED_BATCH). It stops at the EOS ids the
-    engine stops at (the tokenizer's where the generation config has none)."""
+    """HF generate, greedy (plain_greedy). Assisted generation only supports batch 1 in transformers, so
+    it runs per prompt whatever ``batch`` is (reported as such: HF_ASSISTED_BATCH). It stops at the EOS
+    ids the engine stops at (the tokenizer's where the generation config has none)."""
     outs: list[list[int]] = []
     step = HF_ASSISTED_BATCH if assistant is not None else batch
     eos = sorted(eos_token_ids(model, tok))
@@ -36,7 +52,8 @@ def hf_generate(model, tok, prompts: list[list[int]], max_tokens: int, batch: in
         kw = dict(max_new_tokens=max_tokens, do_sample=False, pad_token_id=pad, attention_mask=mask, eos_token_id=eos or None)
         if assistant is not None:
             kw["assistant_model"] = assistant
-        gen = model.generate(ids, **kw)[:, width:]
+        with plain_greedy(model):
+            gen = model.generate(ids, **kw)[:, width:]
         for row in gen.tolist():
             cut = next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
             outs.append(row[:cut])

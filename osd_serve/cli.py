@@ -31,6 +31,8 @@ def _batch_sizes(text: str) -> list[int]:
     sizes = [_at_least(1)(t.strip()) for t in text.split(",") if t.strip()]
     if not sizes:
         raise argparse.ArgumentTypeError("expected comma-separated batch sizes, e.g. 1,8")
+    if len(set(sizes)) < len(sizes):  # a second run of a size: results held both, its summary the last
+        raise argparse.ArgumentTypeError(f"batch size {next(s for s in sizes if sizes.count(s) > 1)} is given twice")
     return sizes
 
 
@@ -157,7 +159,11 @@ def cmd_generate(args) -> None:
     if not args.out:
         print("\n".join(lines))
         return
-    Path(args.out).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    try:
+        Path(args.out).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    except OSError:  # a full disk after the whole run: the completions go to stdout, not nowhere
+        print("\n".join(lines))
+        raise
     total_p, total_a = sum(r.proposed for r in reqs), sum(r.accepted for r in reqs)
     print(json.dumps({"out": args.out, "prompts": len(reqs), "acceptance": total_a / total_p if total_p else None}))
 
@@ -168,13 +174,13 @@ def cmd_bench(args) -> None:
     from .bench import run_bench
 
     _writable(args.out)
+    # The prompts are read before the pair loads (a 7B pair: a minute), as generate's are; only the
+    # default pair's prompts.jsonl waits for _load to build it.
+    prompts = _bench_prompts(args) if args.prompts or (args.target and args.draft) else None
     if args.threads:
         torch.set_num_threads(args.threads)
     target, draft, tok = _load(args)
-    if not args.prompts and not (Path(args.target).parent / "prompts.jsonl").is_file():
-        raise SystemExit("error: --prompts FILE.jsonl is needed: only a bootstrap pair has prompts.jsonl beside it")
-    prompts = _read_prompts(args.prompts) if args.prompts else _read_prompts(str(Path(args.target).parent / "prompts.jsonl"))
-    prompts = prompts[: args.num_prompts]
+    prompts = prompts or _bench_prompts(args)
     ks = range(1, args.max_k + 1)
     sizes = args.batch_sizes
     report = run_bench(target, draft, tok, prompts, args.max_tokens, sizes, ks, log=lambda s: print(s, file=sys.stderr),
@@ -184,6 +190,13 @@ def cmd_bench(args) -> None:
     print(text)  # first: a failed write must not lose the run's only copy
     if args.out:
         Path(args.out).write_text(text)
+
+
+def _bench_prompts(args) -> list[str]:
+    """The first --num-prompts of --prompts, else of the prompts.jsonl beside a bootstrapped pair."""
+    if not args.prompts and not (Path(args.target).parent / "prompts.jsonl").is_file():
+        raise SystemExit("error: --prompts FILE.jsonl is needed: only a bootstrap pair has prompts.jsonl beside it")
+    return _read_prompts(args.prompts or str(Path(args.target).parent / "prompts.jsonl"))[: args.num_prompts]
 
 
 def cmd_replay(args) -> None:
@@ -201,7 +214,10 @@ def cmd_replay(args) -> None:
     try:
         fields = args.field.split(",") if args.field else None
         # Backslash escapes (\n) are interpreted; other non-ASCII text passes through unchanged.
-        template = args.template.encode("latin-1", "backslashreplace").decode("unicode_escape") if args.template else None
+        try:
+            template = args.template.encode("latin-1", "backslashreplace").decode("unicode_escape") if args.template else None
+        except UnicodeDecodeError as e:  # a trailing or malformed escape: the codec's message names neither
+            raise SystemExit(f"error: --template {args.template!r}: {e.reason}") from None
         stream = load_stream(args.data, fields, template, args.order, args.seed, args.max_requests)
         params = SamplingParams(max_tokens=args.max_tokens, num_speculative_tokens=args.num_speculative_tokens)
         params.validate()

@@ -234,6 +234,9 @@ def test_replay_names_a_template_that_does_not_fit(tmp_path, monkeypatch, capsys
     base = _replay_argv(tmp_path, monkeypatch)
     assert "--template" in _error([*base, "--template", "{n[0]}"], capsys)  # int is not subscriptable: TypeError
     assert "--template" in _error([*base, "--template", "{q"], capsys)  # a lone '{': ValueError
+    # a backslash escape that does not decode: the codec's error named neither the option nor the text
+    for bad in ("{q}\\", "{q}\\x4"):
+        assert f"--template {bad!r}" in _error([*base, "--template", bad], capsys)
 
 
 def test_replay_refuses_non_finite_lr_and_tolerance_before_loading(tmp_path, monkeypatch, capsys):
@@ -249,3 +252,22 @@ def test_config_values_must_be_finite():
             GuardConfig(tolerance=bad)
         with pytest.raises(ValueError, match="lr"):
             TrainConfig(lr=bad)
+
+
+
+def test_generate_prints_its_output_when_the_write_fails(models, tmp_path, monkeypatch, capsys):
+    """A write to --out that failed after the whole run (a full disk) lost every completion."""
+    import pathlib
+
+    monkeypatch.setattr(cli, "_load", lambda args: models)
+    prompts = _jsonl(tmp_path / "p.jsonl", ["def f(", "x = 1"])
+
+    def full_disk(self, *a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pathlib.Path, "write_text", full_disk)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "--prompts", prompts, "--max-tokens", "3", "--out", str(tmp_path / "o.jsonl")])
+    out = capsys.readouterr().out
+    assert e.value.code != 0 and "No space left" in str(e.value.code)
+    assert [json.loads(x)["prompt"] for x in out.splitlines()] == ["def f(", "x = 1"]
