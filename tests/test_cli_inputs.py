@@ -246,6 +246,12 @@ def test_replay_refuses_non_finite_lr_and_tolerance_before_loading(tmp_path, mon
         assert "tolerance must be finite" in _error([*base, "--guard-tolerance", tol], capsys)
 
 
+def test_replay_refuses_k_0_before_loading(tmp_path, monkeypatch, capsys):
+    """Replay measures acceptance: at k = 0 nothing is drafted, and all three runs reported α None."""
+    base = _replay_argv(tmp_path, monkeypatch)
+    assert "--num-speculative-tokens" in _error([*base, "--num-speculative-tokens", "0"], capsys)
+
+
 def test_config_values_must_be_finite():
     for bad in (math.nan, math.inf):
         with pytest.raises(ValueError, match="tolerance"):
