@@ -142,11 +142,12 @@ class CompletionRequest(_Sampling):
     def _prompt_text(cls, v):
         return _unicode(v)
 
-    @field_validator("logprobs")
+    @field_validator("logprobs", mode="before")
     @classmethod
     def _no_chosen_logprobs(cls, v):
         # The completions API's logprobs is a count: 0 still asks for the chosen tokens' own
         # logprobs (OpenAI, vLLM), so unlike chat's false it asks for something this server lacks.
+        # Before: _Sampling's check of the field would otherwise answer 5 with "send null, false or 0".
         if v is None or v is False:
             return v
         raise ValueError("log probabilities are not returned by this server; send null (0 asks for the chosen tokens')")

@@ -120,3 +120,11 @@ def test_a_completions_logprobs_of_0_is_refused(client):
     assert _post(client, "/v1/completions", {"prompt": "x", "logprobs": None}).status_code == 200
     chat = {"messages": [{"role": "user", "content": "x"}], "logprobs": False}
     assert _post(client, "/v1/chat/completions", chat).status_code == 200
+
+
+@pytest.mark.parametrize("logprobs", [5, True])
+def test_a_completions_logprobs_refusal_does_not_advise_0(client, logprobs):
+    """The shared check answered a completion's logprobs 5 with "send null, false or 0", and 0 is refused."""
+    r = _post(client, "/v1/completions", {"prompt": "x", "logprobs": logprobs})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+    assert "or 0" not in r.json()["error"]["message"], r.text
