@@ -15,6 +15,7 @@ sample from the draft given the true prefix, drawn with uniforms independent of 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -28,6 +29,8 @@ from .kv import BatchKV, make_hole_safe, pad_right
 from .output import Request, StreamDelta
 from .sampling import seeded_generator
 from .spec import RowState, accept, broken_rows, fit_vocab, propose
+
+_log = logging.getLogger(__name__)
 
 _DRAFT, _AHEAD, _VERIFY = 1, 2, 3  # uniform streams: never share uniforms between these roles
 # A sequence runs a step every few tens of milliseconds; one whose cache row has sat unused this long on
@@ -98,7 +101,7 @@ class Verdict:
     tokens: list[int]  # accepted draft tokens, then one target token (correction or bonus)
     accepted: int
     recomputed: int  # history tokens this step fed because the worker lacked them (0 on a cache hit)
-    broken: bool = False  # the target's logits ranked nothing (NaN): no token, the request ends in an error
+    broken: bool = False  # the target's logits ranked nothing (NaN): the tokens are not its; the request ends in an error
 
 
 def _lcp(a: list[int], b: list[int]) -> int:
@@ -335,8 +338,11 @@ class TargetVerifier:
         # The cache keeps the history and the accepted drafts; the correction/bonus token is fed next step.
         kv.truncate(torch.tensor([len(h) + a for h, a in zip(hist, n_acc_l)], device=dev))
         self.caches.set_tokens(ids, [h + it.draft[:a] for h, it, a in zip(hist, items, n_acc_l)])
-        verdicts = [Verdict([] if bad else t[: a + 1], 0 if bad else a, len(f) - 1, bad)
-                    for t, a, f, bad in zip(tokens, n_acc_l, feeds, broken)]
+        # A broken row keeps its tokens: a router of the release before `broken` appends them (as it
+        # did) rather than verifying the same history again forever; run_request drops them.
+        verdicts = [Verdict(t[: a + 1], a, len(f) - 1, bad) for t, a, f, bad in zip(tokens, n_acc_l, feeds, broken)]
+        for it in (it for it, bad in zip(items, broken) if bad):
+            _log.warning("sequence %s ended: the target's logits were NaN", it.seq_id)
         return verdicts, self._stats(items, verdicts, time.perf_counter() - t0)
 
     @staticmethod
@@ -344,6 +350,8 @@ class TargetVerifier:
         """One StepStats per expert in this batch (what telemetry.on_step takes)."""
         out: dict[str, StepStats] = {}
         for it, v in zip(items, verdicts):
+            if v.broken:  # its request ends without these tokens (as SpecEngine.step, which skips it)
+                continue
             k = len(it.draft)
             st = out.setdefault(it.expert, StepStats(0, 0, 0, 0, [], [], 0, 0.0, seconds, 0.0))
             st.accepted_per_position += [0] * (k - len(st.accepted_per_position))

@@ -7,6 +7,7 @@ and join it. Every row keeps all of its own accepted tokens.
 from __future__ import annotations
 
 import itertools
+import logging
 import secrets
 import threading
 import time
@@ -22,6 +23,8 @@ from .loading import max_positions
 from .output import Completion, Prompt, Request, StreamDelta, check_prompt, eos_token_ids, fit_max_tokens
 from .sampling import seeded_generator
 from .spec import RowState, broken_rows, speculative_step
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -189,13 +192,16 @@ class SpecEngine:
             before = [len(r.output_ids) for r in self.running]
             self.recorder.observe(self.running, out, n_acc, k_rows, before, self.draft_version)
         acc_pos, prop_pos = [0] * k, [0] * k
-        emitted = 0
+        emitted, counted = 0, []  # counted: (accepted, proposed) of the rows the statistics describe
         for r, toks, a, kr, bad in zip(self.running, tokens, n_acc, k_rows, broken):
             if r.finished:  # aborted mid-step
                 continue
             if bad:  # its tokens came from NaN logits, not from the target's choice: none is emitted
+                _log.warning("request %s ended: the target's logits were NaN (a retry of it may well meet them again)",
+                             r.request_id)
                 r.finish_reason = "error"
                 continue
+            counted.append((a, kr))
             r.proposed += kr
             r.accepted += a
             r.steps += 1
@@ -206,9 +212,10 @@ class SpecEngine:
                 prop_pos[j] += 1
                 acc_pos[j] += j < a
         deltas = [r.delta() for r in self.running]
-        rejected = sum(a < kr for a, kr in zip(n_acc, k_rows))
+        rejected = sum(a < kr for a, kr in counted)
         stats = StepStats(
-            len(self.running), sum(k_rows), sum(n_acc), rejected, acc_pos, prop_pos, emitted, out.draft_time, out.target_time, prefill
+            len(self.running), sum(kr for _, kr in counted), sum(a for a, _ in counted), rejected, acc_pos, prop_pos,
+            emitted, out.draft_time, out.target_time, prefill,
         )
         self._drop_finished()
         for kv in (self._target_kv, self._draft_kv):
@@ -298,8 +305,11 @@ class SpecEngine:
         """Run prompts to completion; one Completion per prompt, in order.
         ``stats``, when given a list, receives each step's StepStats."""
         reqs = self.submit(prompts, params)
-        while self.has_unfinished():
-            _, st = self.step()
-            if st is not None and stats is not None:
-                stats.append(st)
+        try:
+            while self.has_unfinished():
+                _, st = self.step()
+                if st is not None and stats is not None:
+                    stats.append(st)
+        finally:  # as stream(): an interrupt (Ctrl-C, an exception in a step) leaves nothing to the next call
+            self._abort_all(reqs)
         return [r.completion() for r in reqs]
