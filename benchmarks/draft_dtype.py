@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from osd_serve.bench import code_version, cpu_info, engine_run, forward_cost, timed
+from osd_serve.bench import check_inputs, code_version, cpu_info, engine_run, forward_cost, timed
 from osd_serve.cli import _read_prompts
-from osd_serve.loading import ModelConfig, load_model, load_pair, max_positions
+from osd_serve.loading import ModelConfig, load_model, load_pair
 
 
 def main() -> None:
@@ -44,11 +44,11 @@ def main() -> None:
                                               draft_dtype=args.dtype, device="cpu"))
     drafts = {args.dtype: same, "float32": load_model(str(args.pair / "draft"), "draft", torch.device("cpu"), torch.float32)}
     ids = [tok.encode(p) for p in _read_prompts(str(args.pair / "prompts.jsonl"))[: args.num_prompts]]
-    # c is timed as one token after ctx: within both models' positions (as osd_serve.bench caps it)
-    limit = min(max_positions(m.config) for m in (target, *drafts.values()))
+    # c is timed as one token after ctx: within the pair's positions, as osd_serve.bench caps it
+    runs = [tuple(map(int, r.split(":"))) for r in args.runs.split(",")]
+    limit = check_inputs(target, same, tok, ids, args.max_tokens, [k for _, k in runs])
     ctx = min(int(statistics.median(map(len, ids))) + args.max_tokens // 2, limit - 1)
     vocab, cpu = target.get_output_embeddings().weight.shape[0], torch.device("cpu")
-    runs = [tuple(map(int, r.split(":"))) for r in args.runs.split(",")]
     for d in drafts.values():  # warm-up
         engine_run(target, d, tok, ids[:1], 1, min(4, args.max_tokens), 2)
     tok_s, cost, outs, alpha = {}, {}, {}, {}

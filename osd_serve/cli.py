@@ -180,7 +180,8 @@ def cmd_bench(args) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     target, draft, tok = _load(args)
-    prompts = prompts or _bench_prompts(args)
+    if prompts is None:
+        prompts = _bench_prompts(args)
     ks = range(1, args.max_k + 1)
     sizes = args.batch_sizes
     report = run_bench(target, draft, tok, prompts, args.max_tokens, sizes, ks, log=lambda s: print(s, file=sys.stderr),

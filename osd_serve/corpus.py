@@ -67,6 +67,11 @@ def read_records(path: str) -> Iterator[object]:
     return (rec for _, rec in numbered_records(path))
 
 
+def record_where(path: str, n: int) -> str:
+    """Where numbered_records' record n is, for an error: a .jsonl's line, a .json array's index."""
+    return f"{path}:{n}" if path.lower().endswith((".jsonl", ".jsonl.gz")) else f"{path} record {n}"
+
+
 def numbered_records(path: str) -> Iterator[tuple[int, object]]:
     """(n, record) as read_records: n is the line of a .jsonl, the 1-based index in a .json array."""
     name = path.lower()
@@ -117,8 +122,7 @@ def _checked_text(path: str, n: int, record: object) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        where = f"{path}:{n}" if path.lower().endswith((".jsonl", ".jsonl.gz")) else f"{path} record {n}"
-        raise ValueError(f"{where}: not text ({e.reason}: a lone {text[e.start]!r} escape)") from None
+        raise ValueError(f"{record_where(path, n)}: not text ({e.reason}: a lone {text[e.start]!r} escape)") from None
     return text
 
 

@@ -35,7 +35,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .config import EngineConfig, SamplingParams
-from .corpus import numbered_records
+from .corpus import numbered_records, record_where
 from .distill.guard import GuardConfig
 from .distill.online import OnlineDistiller
 from .distill.recorder import RecordConfig, Recorder
@@ -49,11 +49,10 @@ from .output import check_prompt
 def _records(path: str) -> list[tuple[str, object]]:
     """[(where, record)]: where names the line of a .jsonl (the record of a .json array), for errors
     found later, such as a prompt too long for the pair."""
-    name = path.lower()  # as corpus.numbered_records reads it: bootstrap took X.JSONL, replay refused it
-    if not name.endswith((".jsonl", ".jsonl.gz", ".json")):
+    # lower(): as corpus.numbered_records reads it (bootstrap took X.JSONL, replay refused it)
+    if not path.lower().endswith((".jsonl", ".jsonl.gz", ".json")):
         raise ValueError(f"--data {path!r}: want .jsonl, .jsonl.gz or .json")
-    label = "{}:{}" if name.endswith((".jsonl", ".jsonl.gz")) else "{} record {}"
-    return [(label.format(path, n), rec) for n, rec in numbered_records(path)]
+    return [(record_where(path, n), rec) for n, rec in numbered_records(path)]
 
 
 def _prompt(rec, fields: list[str] | None, template: str | None, where: str) -> str | None:

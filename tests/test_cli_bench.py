@@ -5,24 +5,15 @@ from __future__ import annotations
 
 import warnings
 
-import pytest
-
 from osd_serve import bench, cli
 from tests.conftest import char_tokenizer, gpt2, llama, perturbed
+from tests.test_cli_inputs import _error
 
 
 def _quick_costs(monkeypatch) -> None:
     """forward_cost with 2 timed forwards, not 30: these tests check what is run, not its speed."""
     real = bench.forward_cost
     monkeypatch.setattr(bench, "forward_cost", lambda model, batch, *a, **k: real(model, batch, *a, **{**k, "repeats": 2}))
-
-
-def _error(argv, capsys) -> str:
-    with pytest.raises(SystemExit) as e:
-        cli.main(argv)
-    err = capsys.readouterr().err + str(e.value.code)
-    assert e.value.code != 0 and "Traceback" not in err, err
-    return err
 
 
 def test_bench_measures_costs_within_the_pairs_positions(monkeypatch):
