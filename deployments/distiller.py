@@ -128,7 +128,7 @@ def train_loop_per_worker(config: dict) -> None:
 
     trainer = DistillTrainer(draft, TrainConfig(**config["train"]), grad_hook=all_reduce)
     losses = trainer.train(records, steps=config["steps"])
-    metrics = {"loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None}
+    metrics = {"steps": len(losses), "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None}
     if rank == 0:
         with tempfile.TemporaryDirectory() as d:
             save_file({n: t.cpu() for n, t in trainer.serving_state().items()}, os.path.join(d, "draft.safetensors"))
@@ -138,8 +138,9 @@ def train_loop_per_worker(config: dict) -> None:
 
 
 def run_train_job(plan: dict, record_refs: list, draft_path: str, state_path: str, train_cfg: dict, steps: int,
-                  storage: str) -> dict:
-    """One Ray Train TorchTrainer run; returns the trained serving state (names of the draft)."""
+                  storage: str) -> tuple[dict, dict]:
+    """One Ray Train TorchTrainer run; returns the trained serving state (names of the draft) and rank
+    0's metrics (steps taken, first and last loss)."""
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
     from safetensors.torch import load_file
@@ -155,7 +156,7 @@ def run_train_job(plan: dict, record_refs: list, draft_path: str, state_path: st
     try:
         result = trainer.fit()
         with result.checkpoint.as_directory() as d:
-            return load_file(str(Path(d) / "draft.safetensors"))
+            return load_file(str(Path(d) / "draft.safetensors")), dict(result.metrics or {})
     finally:  # the state is returned (and published through the store) or the job failed: a full draft per run otherwise
         shutil.rmtree(Path(storage) / name, ignore_errors=True)
 
@@ -242,12 +243,13 @@ class DistillController:
         base = store.current  # the version this job trains from
         serving.load_state_dict(store.load(base), strict=False)
         state_path = str(store.path(base) / "draft.safetensors")
-        state = run_train_job(plan, train_refs, draft_path, state_path, cfg["train_cfg"], cfg["steps"],
-                              str(versions_dir / "ray_train"))
+        state, metrics = run_train_job(plan, train_refs, draft_path, state_path, cfg["train_cfg"], cfg["steps"],
+                                       str(versions_dir / "ray_train"))
         candidate = AutoModelForCausalLM.from_pretrained(draft_path)
         candidate.load_state_dict(state, strict=False)
         vocab = serving.get_output_embeddings().weight.shape[0]
-        verdict = check(candidate, serving, ray.get(held_refs), vocab, guard_cfg, candidate_state=state)
+        verdict = check(candidate, serving, ray.get(held_refs), vocab, guard_cfg, candidate_state=state,
+                        steps_taken=metrics.get("steps"))
         version, reason = None, verdict.reason
         if verdict.publish:  # only over the version it was trained from: a rollback meanwhile wins
             version = store.publish(state, {"trigger": why, "plan": plan, "candidate": verdict.candidate,
@@ -255,6 +257,7 @@ class DistillController:
             reason = reason if version is not None else f"version {base} is no longer current (rolled back or replaced)"
         return {"expert": expert, "trigger": why, "plan": plan, "published": version is not None, "reason": reason,
                 "version": version, "candidate": verdict.candidate, "serving": verdict.serving, "time": t0,
+                "steps": metrics.get("steps"), "loss_first": metrics.get("loss_first"), "loss_last": metrics.get("loss_last"),
                 "seconds": time.time() - t0}
 
 

@@ -115,6 +115,7 @@ def test_controller_trains_guards_and_publishes(cluster, gpus_busy, data, tmp_pa
     ev = events[0]
     assert ev["plan"]["use_gpu"] is False  # the GPUs are serving's
     assert ev["published"], ev
+    assert ev["steps"] > 0 and ev["loss_last"] < ev["loss_first"], ev  # rank 0's metrics reach the event
     store = VersionStore(tmp_path / "versions" / "default")
     # the Train job (2 CPU workers, gradients all-reduced) raised held-out alpha-hat over the serving draft
     assert store.refresh() == 1 and ev["candidate"]["expected_acceptance"] > ev["serving"]["expected_acceptance"] + 0.02

@@ -74,3 +74,33 @@ def test_a_vocabulary_masked_on_both_sides_gives_the_exact_loss_and_a_finite_gra
     assert float(loss) == pytest.approx(float(want), rel=1e-5) and torch.isfinite(s.grad).all()
     # a NaN is not a masked id: it stays visible (the trainer skips such a step)
     assert torch.isnan(fn(s.detach(), t.index_fill(1, torch.tensor([0]), float("nan"))))
+
+
+ALL = [forward_kl, reverse_kl, total_variation, lambda s, t, **kw: generalized_jsd(s, t, 0.3, **kw)]
+
+
+@pytest.mark.parametrize("fn", ALL)
+def test_inputs_that_would_broadcast_are_refused(fn, logits):
+    """They broadcast into a number: a [N, 1] teacher gave a negative KL, a [1, V] student was
+    scored against every row, a [1] mask masked all rows or none. The fused path refuses them too."""
+    s, t = logits
+    for a, b in ((s, t[:, :1]), (s[:1], t), (s[:, :-1], t)):
+        with pytest.raises(ValueError, match="shapes differ"):
+            fn(a, b)
+    with pytest.raises(ValueError, match="mask shape"):
+        fn(s, t, mask=torch.zeros(1, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("temperature", [0.0, -1.0, float("nan"), float("inf")])
+@pytest.mark.parametrize("fn", ALL)
+def test_a_temperature_that_is_not_positive_and_finite_is_refused(fn, temperature, logits):
+    """0 and NaN gave NaN; a negative temperature trained towards the reversed distributions."""
+    with pytest.raises(ValueError, match="temperature"):
+        fn(*logits, temperature=temperature)
+
+
+@pytest.mark.parametrize("fn", ALL)
+def test_no_positions_give_zero_with_or_without_a_mask(fn):
+    """An empty batch was 0 with a mask and NaN without one (mean() of nothing)."""
+    s = torch.zeros(0, 5, requires_grad=True)
+    assert float(fn(s, torch.zeros(0, 5))) == 0.0 == float(fn(s, torch.zeros(0, 5), mask=torch.zeros(0, dtype=torch.bool)))

@@ -85,8 +85,15 @@ def finite(state: dict[str, torch.Tensor]) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in state.values() if t.is_floating_point())
 
 
-def check(candidate, serving, heldout: list[ReplayRecord], vocab: int, cfg: GuardConfig, candidate_state=None) -> Verdict:
-    """candidate, serving: draft models (the serving one is the guard's private copy of what serves)."""
+def check(candidate, serving, heldout: list[ReplayRecord], vocab: int, cfg: GuardConfig, candidate_state=None,
+          steps_taken: int | None = None) -> Verdict:
+    """candidate, serving: draft models (the serving one is the guard's private copy of what serves).
+    steps_taken: the optimizer steps the update took, where known."""
+    if steps_taken == 0:
+        # Every step was skipped (non-finite gradients, no records): the candidate is the serving draft,
+        # the guard passed it as no worse, and each such update published a copy that pushed distinct
+        # versions out of the keep_last that rollbacks reach.
+        return Verdict(False, "no training step taken (every gradient was non-finite, or no records)", {}, {})
     state = candidate_state if candidate_state is not None else candidate.state_dict()
     if not finite(state):
         return Verdict(False, "non-finite weights", {}, {})

@@ -24,10 +24,22 @@ import torch
 import torch.nn.functional as F
 
 
+def _check(student_logits, teacher_logits, mask, temperature: float = 1.0) -> None:
+    """Inputs that broadcast gave a number, not an error: a [1, V] student or a [N, 1] side (a
+    negative "KL"), or a [1] mask that masked all rows or none. The fused path refuses them too
+    (kernels.fused_kl). A temperature of 0 or NaN gave NaN, a negative one the reversed distributions."""
+    if student_logits.shape != teacher_logits.shape:
+        raise ValueError(f"shapes differ: student {tuple(student_logits.shape)}, teacher {tuple(teacher_logits.shape)}")
+    if mask is not None and mask.shape != student_logits.shape[:-1]:
+        raise ValueError(f"mask shape {tuple(mask.shape)} does not match the positions {tuple(student_logits.shape[:-1])}")
+    if not 0.0 < temperature < math.inf:
+        raise ValueError(f"temperature must be positive and finite, got {temperature}")
+
+
 def _reduce(per_pos: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """Mean over unmasked positions. per_pos [N], mask [N] bool or None."""
-    if mask is None:
-        return per_pos.mean()
+    if mask is None:  # no positions: 0, as when all are masked (mean() of nothing is NaN)
+        return per_pos.mean() if per_pos.numel() else per_pos.sum()
     m = mask.to(per_pos.dtype)
     return (per_pos * m).sum() / m.sum().clamp_min(1.0)
 
@@ -45,6 +57,7 @@ def _kl(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
 
 def forward_kl(student_logits, teacher_logits, mask=None, temperature: float = 1.0) -> torch.Tensor:
     """KL(p_teacher || q_student). logits [N, V]."""
+    _check(student_logits, teacher_logits, mask, temperature)
     log_q = F.log_softmax(student_logits.float() / temperature, -1)
     log_p = F.log_softmax(teacher_logits.float() / temperature, -1)
     return _reduce(_kl(log_p, log_q), mask)
@@ -52,6 +65,7 @@ def forward_kl(student_logits, teacher_logits, mask=None, temperature: float = 1
 
 def reverse_kl(student_logits, teacher_logits, mask=None, temperature: float = 1.0) -> torch.Tensor:
     """KL(q_student || p_teacher). logits [N, V]."""
+    _check(student_logits, teacher_logits, mask, temperature)
     log_q = F.log_softmax(student_logits.float() / temperature, -1)
     log_p = F.log_softmax(teacher_logits.float() / temperature, -1)
     return _reduce(_kl(log_q, log_p), mask)
@@ -65,6 +79,7 @@ def generalized_jsd(student_logits, teacher_logits, beta: float = 0.5, mask=None
     """
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta must be in [0, 1], got {beta}")
+    _check(student_logits, teacher_logits, mask, temperature)
     if beta == 0.0:
         return forward_kl(student_logits, teacher_logits, mask, temperature)
     if beta == 1.0:
@@ -82,6 +97,7 @@ def generalized_jsd(student_logits, teacher_logits, beta: float = 0.5, mask=None
 
 def total_variation(student_logits, teacher_logits, mask=None, temperature: float = 1.0) -> torch.Tensor:
     """1/2 sum |p - q| in [0, 1]; 1 - TVD is the expected acceptance of one draft token. logits [N, V]."""
+    _check(student_logits, teacher_logits, mask, temperature)
     q = F.softmax(student_logits.float() / temperature, -1)
     p = F.softmax(teacher_logits.float() / temperature, -1)
     return _reduce(0.5 * (p - q).abs().sum(-1), mask)

@@ -117,7 +117,8 @@ class OnlineDistiller:
             losses = self.trainer.train(train)
             state = self.trainer.serving_state()
             candidate = self.trainer.student
-            verdict = check(candidate, self.serving, heldout, self.vocab, self.guard, candidate_state=state)
+            verdict = check(candidate, self.serving, heldout, self.vocab, self.guard, candidate_state=state,
+                            steps_taken=len(losses))
             version = None
             if verdict.publish:
                 meta = {"trigger": trigger, "expert": expert, "candidate": verdict.candidate,

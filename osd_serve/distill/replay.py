@@ -131,6 +131,10 @@ class Shard:
             self._evict_random(max_bytes)
         while self.records and self.nbytes > max_bytes:
             self.nbytes -= self.records.popleft().nbytes
+        if not self.records:
+            # Emptied (every record larger than the new bound): a reservoir that stayed 'full' kept
+            # each new record with probability len(records)/seen = 0, and refused every one for good.
+            self.full = False
 
     def _evict_random(self, max_bytes: int) -> None:
         while self.records and self.nbytes > max_bytes:

@@ -70,6 +70,12 @@ class TrainConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not math.isfinite(self.lr):  # nan <= 0 is False: a NaN lr passed, and every step was NaN
             raise ValueError(f"lr must be finite, got {self.lr}")
+        # 0 clipped every gradient to zero (training moved nothing, and each update published the same
+        # weights again); NaN made every weight NaN. inf is no clipping.
+        if not self.max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be > 0 (inf: no clipping), got {self.max_grad_norm}")
+        if self.recent_window < 1:  # records[-0:] is every record, records[-(-n):] the oldest but n
+            raise ValueError(f"recent_window must be >= 1 (recent_fraction 0: no recency), got {self.recent_window}")
 
 
 def _student_positions(rec: ReplayRecord) -> torch.Tensor:

@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,17 @@ def draft_fingerprint(state: dict[str, torch.Tensor]) -> str:
         h.update(f"{name}{tuple(state[name].shape)}".encode())
         h.update(ends.float().numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file's (or a directory's entries') writes to the device. Renames reach the journal
+    before delayed-allocation data does: without this, a power loss just after a publish left the
+    manifest naming a version whose draft.safetensors was empty, and a restart failed on it."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def claim_slot(root: str | os.PathLike) -> tuple[Path, object]:
@@ -106,7 +118,10 @@ class VersionStore:
     def _write_manifest(self) -> None:
         tmp = self.root / f".manifest-{os.getpid()}.tmp"
         tmp.write_text(json.dumps(self.manifest, indent=2))
+        _fsync(tmp)  # the versions it names are on the device already (_publish): so must it be
         os.replace(tmp, self.root / "manifest.json")
+        with contextlib.suppress(OSError):  # the rename's durability; the manifest is in place either way
+            _fsync(self.root)
 
     @contextlib.contextmanager
     def _locked(self):
@@ -145,16 +160,34 @@ class VersionStore:
             if adapter_writer is not None:
                 adapter_writer(str(tmp / "adapter"))
             (tmp / "meta.json").write_text(json.dumps({"version": version, "time": time.time(), **(meta or {})}, indent=2, default=str))
+            for f in [*tmp.rglob("*"), tmp]:  # files and directories, before the manifest can name them
+                if f.is_dir():  # some filesystems refuse a directory's fsync (EINVAL): its entries' durability only
+                    with contextlib.suppress(OSError):
+                        _fsync(f)
+                else:
+                    _fsync(f)
             os.replace(tmp, self.path(version))
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        self.manifest["versions"].append(version)
-        self.manifest.setdefault("parents", {})[str(version)] = self.current
-        self.manifest["current"] = version
-        doomed = self._prune()
-        # Deleted after the manifest stops listing them: a crash in between leaves unlisted directories
-        # (numbering skips them), never a listed version without its files.
-        self._write_manifest()
+        saved = json.loads(json.dumps(self.manifest))
+        try:
+            self.manifest["versions"].append(version)
+            self.manifest.setdefault("parents", {})[str(version)] = self.current
+            self.manifest["current"] = version
+            doomed = self._prune()
+            # Deleted after the manifest stops listing them: a crash in between leaves unlisted directories
+            # (numbering skips them), never a listed version without its files.
+            self._write_manifest()
+        except BaseException:
+            # The manifest write failed (a full disk): this object went on naming a version no other
+            # reader sees (/admin/experts listed it), and its directory, a whole draft, stayed on
+            # the full disk for good. The disk's manifest is the truth; its version stays only if named.
+            self.manifest = saved
+            with contextlib.suppress(OSError, ValueError):
+                self.refresh()
+            if version not in self.manifest["versions"]:
+                shutil.rmtree(self.path(version), ignore_errors=True)
+            raise
         for d in doomed:
             shutil.rmtree(d, ignore_errors=True)
         return version
@@ -280,6 +313,11 @@ class VersionWatcher:
                 if v is None or v == self.serving.get(expert) or (expert, v) in self.failed:
                     continue
                 state = store.load(v)
+            except SafetensorError as e:  # a damaged file does not heal: say so once, keep serving
+                # It is no OSError: uncaught, it ended the watch thread, and no later version swapped in.
+                self.failed.add((expert, v))
+                logger.error("draft version %s of expert %s is unreadable: %s", v, expert, e)
+                continue
             except (OSError, ValueError, KeyError):  # being written or pruned as we read: next poll
                 continue
             try:
@@ -299,7 +337,10 @@ class VersionWatcher:
 
     def _loop(self) -> None:
         while not self._stop.wait(self.poll_s):
-            self.poll()
+            try:
+                self.poll()
+            except Exception as e:  # noqa: BLE001  (on_swap, say) one bad poll must not end hot-swapping for good
+                logger.error("draft version watch: %r", e, exc_info=e)
 
     def close(self) -> None:
         self._stop.set()

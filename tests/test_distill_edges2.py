@@ -1,0 +1,148 @@
+"""Distillation edge cases from a bug hunt: versions under a full disk, a damaged file or a power
+loss; a reservoir emptied by a smaller bound; an update that trained nothing; bad trainer settings."""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+import threading
+
+import pytest
+import torch
+from tests.test_distill import _prompts, models  # noqa: F401  (models: the shared target and weak draft)
+
+from osd_serve.config import EngineConfig, SamplingParams
+from osd_serve.distill.guard import GuardConfig
+from osd_serve.distill.online import OnlineDistiller
+from osd_serve.distill.recorder import RecordConfig
+from osd_serve.distill.replay import BufferConfig, ReplayBuffer, make_record
+from osd_serve.distill.trainer import DistillTrainer, TrainConfig
+from osd_serve.distill.versions import VersionStore, VersionWatcher
+from osd_serve.engine import SpecEngine
+
+
+def _rec(vocab: int) -> object:
+    return make_record([1, 2], [3, 4], [0], torch.softmax(torch.randn(1, vocab), -1))
+
+
+def test_a_reservoir_emptied_by_a_smaller_bound_takes_records_again():
+    """A redeploy that shrank the buffer below every record's size emptied the shard but left it
+    'full': each new record was then kept with probability len(records)/seen = 0, for good."""
+    buf = ReplayBuffer(BufferConfig(max_bytes=10_000, eviction="reservoir"))
+    for _ in range(20):
+        buf.add(_rec(1000))  # ~2 kB each: the shard fills and turns to reservoir sampling
+    buf.reconfigure(BufferConfig(max_bytes=1000, eviction="reservoir"))
+    shard = buf.shard("default")
+    assert not shard.records
+    kept = [buf.add(_rec(100)) for _ in range(10)]  # ~0.2 kB each: they fit
+    assert kept[0] and len(shard.records) >= 2 and shard.nbytes <= 1000
+
+
+def test_a_publish_whose_manifest_write_fails_leaves_no_version_behind(tmp_path, monkeypatch):
+    """A full disk at the manifest write: the store object went on listing the version no reader
+    saw (and /admin/experts showed it), and its directory, a whole draft, stayed on disk for good."""
+    store = VersionStore(tmp_path, keep_last=5)
+    st = {"w": torch.zeros(2)}
+    store.publish(st)  # v0
+    store.publish(st)  # v1
+    with monkeypatch.context() as m:
+        m.setattr(store, "_write_manifest", lambda: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+        with pytest.raises(OSError, match="No space"):
+            store.publish(st)
+    assert store.versions == [0, 1] and store.current == 1 and store.parent(2) is None
+    assert not store.path(2).exists()
+    assert store.publish(st) == 2 and store.load(2)["w"].tolist() == [0.0, 0.0]
+
+
+def test_every_file_of_a_version_reaches_the_disk_before_the_manifest_names_it(tmp_path, monkeypatch):
+    """Nothing was fsynced: after a power loss the manifest could name a version whose
+    draft.safetensors never left the page cache (empty), and a restart failed loading it."""
+    store = VersionStore(tmp_path)
+    events, fsync, replace = [], os.fsync, os.replace
+
+    def rec_fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return fsync(fd)
+
+    def rec_replace(src, dst):
+        events.append(("replace", str(src), str(dst)))
+        return replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", rec_fsync)
+    monkeypatch.setattr(os, "replace", rec_replace)
+    store.publish({"w": torch.ones(3)}, adapter_writer=lambda d: (os.makedirs(d), open(os.path.join(d, "a.bin"), "wb").close()))
+    version_move = next(i for i, e in enumerate(events) if e[0] == "replace" and e[2] == str(store.path(0)))
+    tmp = os.path.realpath(events[version_move][1])  # /proc's links name resolved paths
+    synced = {e[1] for e in events[:version_move] if e[0] == "fsync"}
+    assert {f"{tmp}/draft.safetensors", f"{tmp}/meta.json", f"{tmp}/adapter/a.bin", tmp} <= synced
+    manifest_move = next(i for i, e in enumerate(events) if e[0] == "replace" and e[2].endswith("manifest.json"))
+    assert ("fsync", os.path.realpath(events[manifest_move][1])) in events[version_move:manifest_move]
+
+
+def test_a_damaged_version_file_is_skipped_and_the_watch_goes_on(tmp_path):
+    """safetensors raises its own SafetensorError (no OSError) on a damaged file: poll let it out,
+    which ended the watch thread, and no later version was ever swapped in."""
+    applied = []
+    w = VersionWatcher(tmp_path, lambda e, s, v: applied.append((v, s["w"][0].item())), poll_s=3600)
+    w.watch("default", lambda: {"w": torch.zeros(3)})
+    other = VersionStore(tmp_path / "default")
+    v1 = other.publish({"w": torch.ones(3)})
+    (other.path(v1) / "draft.safetensors").write_bytes(b"\0" * 10)  # what a crash before fsync leaves
+    w.poll()  # raised SafetensorError
+    assert applied == [] and ("default", v1) in w.failed
+    v2 = other.publish({"w": torch.full((3,), 2.0)})
+    w.poll()
+    assert applied == [(v2, 2.0)]
+    w.close()
+
+
+def test_a_failing_swap_callback_does_not_end_the_watch_thread(tmp_path):
+    """Any exception out of poll (on_swap's, here) ended the thread silently: no swap after it."""
+    swapped, done = [], threading.Event()
+
+    def on_swap(expert, v):
+        swapped.append(v)
+        if len(swapped) == 1:
+            raise RuntimeError("telemetry down")
+        done.set()
+
+    w = VersionWatcher(tmp_path, lambda e, s, v: None, poll_s=0.01, on_swap=on_swap)
+    w.watch("default", lambda: {"w": torch.zeros(3)})
+    other = VersionStore(tmp_path / "default")
+    other.publish({"w": torch.ones(3)})
+    while not swapped:
+        threading.Event().wait(0.01)
+    other.publish({"w": torch.full((3,), 2.0)})
+    assert done.wait(5.0), swapped
+    w.close()
+
+
+def test_an_update_that_took_no_step_publishes_nothing(models, tok):
+    """Every step skipped for a non-finite gradient left the candidate equal to the serving draft;
+    the guard passed it as no worse and each such update published a copy, pushing the distinct
+    versions a rollback needs out of keep_last (here the initial draft, after two)."""
+    target, weak = models
+    eng = SpecEngine(target, copy.deepcopy(weak), tok, EngineConfig(max_batch_size=8))
+    trainer = DistillTrainer(eng.draft, TrainConfig(mode="full", lr=3e-3, steps_per_update=2))
+    dist = OnlineDistiller(eng, trainer, ReplayBuffer(BufferConfig(trigger_records=10**6)),
+                           VersionStore(tempfile.mkdtemp(), keep_last=2), GuardConfig(), RecordConfig("all"))
+    eng.generate(_prompts(len(tok), 12, 1), SamplingParams(max_tokens=8, num_speculative_tokens=3))
+    shard = dist.buffer.shard("default")
+    for i, r in enumerate(shard.records):  # every training record broken; the guard samples intact
+        if not r.heldout:
+            shard.records[i] = make_record(r.prompt_ids, r.response_ids, r.positions, torch.full_like(r.probs.float(), float("nan")))
+    results = [dist.update() for _ in range(3)]
+    assert trainer.skipped_steps == 6 and not any(u.published for u in results)
+    assert results[0].reason.startswith("no training step")
+    assert dist.store.versions == [0] and eng.draft_version == 0
+
+
+@pytest.mark.parametrize("field,value", [("max_grad_norm", 0.0), ("max_grad_norm", float("nan")), ("recent_window", 0)])
+def test_train_settings_that_silently_break_training_are_refused(field, value):
+    """max_grad_norm 0 clipped every gradient to zero (nothing trained), NaN made every weight NaN;
+    recent_window 0 drew the 'recent' share from the whole buffer (records[-0:])."""
+    with pytest.raises(ValueError, match=field):
+        TrainConfig(**{field: value})
+    TrainConfig(max_grad_norm=float("inf"))  # no clipping stays allowed
+
