@@ -16,6 +16,14 @@ TOP_K_LIMIT = 2**31  # exclusive
 # range would accept seeds that are one int64 (-1 and 2**64 - 1).
 SEED_RANGE = (-(2**63), 2**63)
 FLOAT32_MAX = 3.4028234663852886e38  # a temperature above it is inf in float32: every row NaN
+# A temperature at or below it is 0.0 in float32 (half the smallest subnormal, a tie rounded to even),
+# as the rows hold it (spec.RowState): greedy there, so greedy everywhere, or a row read as sampled here
+# asks the draft for the probabilities an all-greedy batch never computes.
+FLOAT32_ZERO = 2.0**-150
+
+
+def is_greedy(temperature: float) -> bool:
+    return temperature <= FLOAT32_ZERO
 
 
 def _check(cond, field_name: str, allowed: str, value: object) -> None:
@@ -78,7 +86,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return is_greedy(self.temperature)
 
 
 @dataclass

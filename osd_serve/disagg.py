@@ -24,6 +24,7 @@ from types import SimpleNamespace
 
 import torch
 
+from .config import is_greedy
 from .engine import StepStats
 from .kv import BatchKV, make_hole_safe, pad_right
 from .output import Request, StreamDelta
@@ -63,7 +64,7 @@ class Sampling:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return is_greedy(self.temperature)  # as the rows' float32 temperatures read it (config.FLOAT32_ZERO)
 
 
 @dataclass
@@ -112,6 +113,12 @@ def _lcp(a: list[int], b: list[int]) -> int:
     return n
 
 
+def _firsts(seq_ids: list[str]) -> list[bool]:
+    """Whether each place holds the first occurrence of its id."""
+    seen: set[str] = set()
+    return [not (s in seen or seen.add(s)) for s in seq_ids]
+
+
 def _rows(items, pending: list[list[int]], device, ks: list[int]) -> RowState:
     ids, valid = pad_right(pending)  # [B, W]
     s = [it.sampling for it in items]
@@ -144,18 +151,23 @@ class SeqCaches:
     def gather(self, seq_ids: list[str], histories: list[list[int]]) -> tuple[BatchKV, list[list[int]]]:
         """The batch for these sequences, each cache rolled back to the longest prefix it shares with
         its history (leaving at least the last token to feed); returns it and what each row must feed."""
+        # tokens[sid] describes one row: a sequence id twice in one call (a duplicated or retried request)
+        # has it at its first place only. Another place recomputes in full and is never recorded: its
+        # cache, taken for the first's at the next call, gave a verdict from another history.
+        firsts = _firsts(seq_ids)
         if seq_ids != self.slab_ids:
             staying, now = set(seq_ids), self.clock()
-            for sid, row in zip(self.slab_ids, self.slab.split()):
-                if sid in self.tokens:  # not released
+            for sid, row, own in zip(self.slab_ids, self.slab.split(), _firsts(self.slab_ids)):
+                if own and sid in self.tokens:  # not released
                     if sid not in staying:  # its own tensors, holes squeezed out: a view would keep
                         row.compact()  # the whole old slab (every other row, the padding) alive
                     self._rows[sid] = (row, now)
             parts = []
-            for sid in seq_ids:
-                row = self._rows.pop(sid, (None,))[0]
+            for sid, own in zip(seq_ids, firsts):
+                row = self._rows.pop(sid, (None,))[0] if own else None
                 if row is None:
-                    self.tokens[sid] = []
+                    if own:
+                        self.tokens[sid] = []
                     row = BatchKV(self.model, 1, self.device)
                 parts.append(row)
             self.slab, self.slab_ids = BatchKV.merge(self.model, self.device, parts), list(seq_ids)
@@ -165,15 +177,23 @@ class SeqCaches:
                 self.tokens.pop(sid, None)
         # setdefault: a call queued before its sequence was released (the client went away) finds no
         # entry; it recomputes that row instead of failing every sequence batched with it.
-        keep = [min(_lcp(self.tokens.setdefault(s, []), h), len(h) - 1) for s, h in zip(seq_ids, histories)]
+        keep = [min(_lcp(self.tokens.setdefault(s, []), h), len(h) - 1) if own else 0
+                for s, h, own in zip(seq_ids, histories, firsts)]
         self.slab.truncate(torch.tensor(keep, device=self.device))
+        # Recorded now, not after the forward: one that raises leaves each row holding just this prefix,
+        # and the longer tokens of before made the next call feed from past the row's end (a call
+        # after one that failed got a verdict that was not the target's).
+        for s, h, n, own in zip(seq_ids, histories, keep, firsts):
+            if own:
+                self.tokens[s] = h[:n]
         if self.slab.hole_fraction() > 0.5:  # rejected drafts leave holes; as the colocated engine does
             self.slab.compact()
         return self.slab, [h[n:] for h, n in zip(histories, keep)]
 
     def set_tokens(self, seq_ids: list[str], tokens: list[list[int]]) -> None:
-        for sid, t in zip(seq_ids, tokens):
-            self.tokens[sid] = t
+        for sid, t, own in zip(seq_ids, tokens, _firsts(seq_ids)):
+            if own:  # see gather
+                self.tokens[sid] = t
 
     def release(self, seq_id: str) -> None:
         """The sequence finished: forget it (its slab row goes at the next change of the batch)."""
@@ -199,9 +219,17 @@ class DraftWorker:
         """New draft weights (names as in draft.state_dict()). Call it between calls, never during one
         (the deployment runs it on its torch thread). Caches and drafted-ahead proposals hold the old
         weights' work: dropped, so each sequence is recomputed by the new draft at its next proposal."""
-        unknown = set(state) - set(self.draft.state_dict())
+        own = self.draft.state_dict()
+        unknown = set(state) - set(own)
         if unknown:
             raise ValueError(f"swap: state has names the draft does not: {sorted(unknown)[:3]}")
+        # Checked before loading, as SpecEngine.swap_draft does: load_state_dict copies every tensor that
+        # fits before it raises on one that does not, which left a mix of two versions serving, labelled
+        # (and cached) as the old one.
+        wrong = [n for n, t in state.items() if t.shape != own[n].shape]
+        if wrong:
+            raise ValueError(f"swap: {wrong[0]} has shape {tuple(state[wrong[0]].shape)}, the draft's is "
+                             f"{tuple(own[wrong[0]].shape)} (a version of another draft?)")
         self.draft.load_state_dict(state, strict=False)
         self.version = version
         self.caches = SeqCaches(self.draft, self.device, self.max_seqs, **self._cache_args)
