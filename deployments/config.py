@@ -58,6 +58,8 @@ class ExpertConfig(_Strict):
             raise ValueError(f"{v!r} is not a directory (a peft LoRA adapter directory)")
         if not (p / "adapter_model.safetensors").is_file():
             raise ValueError(f"{v!r} has no adapter_model.safetensors (pickled adapters are refused)")
+        if not (p / "adapter_config.json").is_file():  # peft needs it too: without it the replica failed to start
+            raise ValueError(f"{v!r} has no adapter_config.json (save the adapter with peft's save_pretrained)")
         return v
 
     @field_validator("name")
@@ -88,7 +90,7 @@ class DistillConfig(_Strict):
     # 152k vocabulary); k keeps its top-k + the rest mass (a record over buffer_mb is dropped).
     record_topk: int = Field(0, ge=0)
     buffer_mb: int = Field(256, ge=1)
-    versions_dir: str = "~/.cache/osd-serve/versions"
+    versions_dir: str = Field("~/.cache/osd-serve/versions", min_length=1)  # "": each process's working directory
     keep_versions: int = Field(5, ge=1)
 
 
@@ -101,8 +103,10 @@ class WandbConfig(_Strict):
 
 
 class AppConfig(_Strict):
-    target: str | None = None  # local dir or hub id; both None: the embedded default pair (built if missing)
-    draft: str | None = None
+    # local dir or hub id; both None: the embedded default pair (built if missing). "" is refused: it read as
+    # the replica's working directory, and failed there ("no tokenizer files"), not at serve run.
+    target: str | None = Field(None, min_length=1)
+    draft: str | None = Field(None, min_length=1)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # auto: the target's dtype, except float32 under a bfloat16/float16 target on CPU (faster there,
     # loading.ModelConfig.resolved_draft_dtype)

@@ -15,7 +15,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def check_device(device: str) -> str:
     """The device setting's form (ModelConfig and the serve app's config): auto, cpu, cuda or cuda:N."""
-    if device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", device):
+    # a torch.device (the Python API) raised re's TypeError, which named nothing
+    if not isinstance(device, str) or device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", device):
         raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}")
     return device
 
@@ -42,6 +43,11 @@ class ModelConfig:
         check_device(self.device)
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r}: CUDA is not available on this machine (torch {torch.__version__})")
+        # cuda:N past the visible devices failed only at model.to(), after the weights loaded, with torch's
+        # "invalid device ordinal". A Ray replica sees just its own GPUs (CUDA_VISIBLE_DEVICES): cuda:0 there.
+        if self.device.startswith("cuda:") and int(self.device[5:]) >= (n := torch.cuda.device_count()):
+            raise ValueError(f"device {self.device!r}: this process sees {n} CUDA device(s), cuda:0 to cuda:{n - 1}"
+                             f" (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -199,6 +205,8 @@ def attach_adapter(draft, name: str, path: str):
         raise ValueError(f"adapter {name!r}: {path!r} is not a directory")
     if not (p / "adapter_model.safetensors").is_file():
         raise ValueError(f"adapter {name!r} at {path!r} has no adapter_model.safetensors (pickled adapters are refused)")
+    if not (p / "adapter_config.json").is_file():  # else peft's error came out as "does not fit the draft"
+        raise ValueError(f"adapter {name!r} at {path!r} has no adapter_config.json (save it with peft's save_pretrained)")
     try:
         if isinstance(draft, PeftModel):
             draft.load_adapter(str(p), adapter_name=name)

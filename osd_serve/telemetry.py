@@ -199,9 +199,18 @@ class Telemetry:
             self._events.clear()
             self._last = now
             self.history.extend(rows)
-        if self.run is not None:
-            for r in rows:
-                self.run.log(r)
+        run = self.run
+        if run is not None:
+            try:
+                for r in rows:
+                    run.log(r)
+            except Exception as e:  # noqa: BLE001
+                # wandb's service process gone (OOM-killed, crashed): every later log raised
+                # ConnectionResetError out of the engine step's callback (the disaggregated Verifier's
+                # verify batch failed with it) and out of /admin/metrics. W&B goes off; the rows stay here.
+                logging.getLogger(__name__).warning("W&B logging is off: writing a row failed (%s: %s)", type(e).__name__, e)
+                self.run = None
+                self._stop.set()  # without a run the timer has nothing to write
         return row
 
     def recent(self) -> list[dict]:
@@ -212,6 +221,9 @@ class Telemetry:
     def close(self) -> None:
         self._stop.set()
         self.maybe_log(force=True)
-        if self.run is not None:
-            self.run.finish()
-            self.run = None
+        run, self.run = self.run, None
+        if run is not None:
+            try:
+                run.finish()
+            except Exception as e:  # noqa: BLE001  a dead wandb service must not stop the replica's shutdown
+                logging.getLogger(__name__).warning("W&B run could not finish (%s: %s)", type(e).__name__, e)

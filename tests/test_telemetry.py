@@ -119,3 +119,34 @@ def test_events_reach_wandb_without_traffic(tmp_path):
         assert any(r.get("version/default") == 3 for r in logged)
     finally:
         t.close()
+
+
+def test_a_dead_wandb_service_does_not_fail_steps_or_shutdown():
+    """With wandb's service process gone (OOM-killed), run.log raised ConnectionResetError out of
+    on_step: the disaggregated Verifier calls it inside its verify batch, which failed every request in
+    it; /admin/metrics and close() raised too. W&B now goes off and the rows still reach the history."""
+
+    class DeadRun:
+        def __init__(self):
+            self.calls = 0
+
+        def log(self, row):
+            self.calls += 1
+            raise ConnectionResetError("Connection lost")
+
+        def finish(self):
+            raise ConnectionResetError("Connection lost")
+
+    class Step:
+        proposed, accepted, rejected, emitted, batch_size = 4, 2, 1, 3, 1
+        accepted_per_position, proposed_per_position = [1, 1], [1, 1]
+
+    t = Telemetry("disabled", log_every_s=0.0)
+    t.run = dead = DeadRun()
+    t.on_step("default", Step())  # raised ConnectionResetError
+    assert dead.calls == 1 and t.run is None and t.recent()[-1]["alpha/default"] == 2 / 3
+    t.on_step("default", Step())
+    assert dead.calls == 1 and len(t.recent()) == 2  # no further calls into the dead service
+    t.run = DeadRun()
+    t.close()  # run.finish() raised out of the replica's shutdown
+    assert t.run is None
