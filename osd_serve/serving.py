@@ -51,6 +51,9 @@ class AsyncSpecServer:
         self._owner: dict[str, str] = {}  # request id -> expert
         self._wake = threading.Event()
         self._stop = threading.Event()
+        # Held while checking _stop and putting an add, and while setting _stop: no add can land in
+        # the inbox after the loop's last drain (its caller would wait forever).
+        self._closing = threading.Lock()
         self._ids = itertools.count()
         self._thread = threading.Thread(target=self._loop, name="osd-engine-loop", daemon=True)
         self._thread.start()
@@ -79,7 +82,10 @@ class AsyncSpecServer:
         q: asyncio.Queue[StreamDelta] = asyncio.Queue()
         rid = f"cmpl-{next(self._ids)}-{time.monotonic_ns()}"
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put(_Add(expert, prompt, params, rid, lambda d: loop.call_soon_threadsafe(q.put_nowait, d), fut))
+        with self._closing:
+            if self._stop.is_set():
+                raise RuntimeError("the engine server is closed")
+            self._inbox.put(_Add(expert, prompt, params, rid, lambda d: loop.call_soon_threadsafe(q.put_nowait, d), fut))
         self._wake.set()
         try:  # re-raises add_request's ValueError here
             # Shielded: cancelling this wait (a client gone while queued) must not cancel the future the
@@ -107,7 +113,10 @@ class AsyncSpecServer:
         return self._thread.is_alive() and not self._stop.is_set()
 
     def close(self) -> None:
-        self._stop.set()
+        """Stop the loop. Requests it still held end with finish_reason 'error' and queued adds fail
+        (run by the loop thread as it exits), so no caller waits forever on a closed server."""
+        with self._closing:
+            self._stop.set()
         self._wake.set()
         self._thread.join(timeout=10)
 
@@ -145,6 +154,21 @@ class AsyncSpecServer:
             except Exception:  # noqa: BLE001  if this thread died, every caller would wait forever
                 logging.getLogger(__name__).exception("engine loop iteration failed")
                 self._stop.wait(0.1)  # a fault that repeats must not spin a core
+        self._end_all()
+
+    def _end_all(self) -> None:
+        """On close: fail every add still queued and end every request still held."""
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, _Add) and item.future.set_running_or_notify_cancel():
+                item.future.set_exception(RuntimeError("the engine server is closed"))
+        for rid, expert in list(self._owner.items()):
+            self._deliver(StreamDelta(rid, "", [], True, "error"), self.engines[expert])
+        self._owner.clear()
+        self._sinks.clear()
 
     def _iterate(self) -> None:
         self._drain_inbox()

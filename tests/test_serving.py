@@ -243,3 +243,33 @@ def test_a_caller_whose_loop_is_gone_does_not_stall_the_others(tok):
         assert not server.engines["default"].has_unfinished() and "gone" not in server._sinks
     finally:
         server.close()
+
+
+def test_closing_the_server_ends_its_requests_and_refuses_new_ones(tok):
+    """close() stopped the loop and left every caller waiting forever: a request it held never got a
+    final delta, and a generate() after it queued an add no loop would read."""
+    from osd_serve.serving import AsyncSpecServer
+
+    target = llama(len(tok), seed=0)
+    server = AsyncSpecServer(target, tok, {"default": perturbed(target, 0.05)})
+    gate, entered = _held_step(server.engines["default"])
+    params = SamplingParams(max_tokens=50, num_speculative_tokens=3, ignore_eos=True)
+
+    async def run():
+        async def consume():
+            return [d async for d in server.generate([5, 6, 7], params)]
+        task = asyncio.create_task(consume())
+        await asyncio.to_thread(entered.wait, 10)  # the loop holds the request, inside a step
+        closer = threading.Thread(target=server.close)
+        closer.start()
+        await asyncio.sleep(0.1)
+        gate.set()  # the step ends; the loop sees _stop and exits
+        deltas = await asyncio.wait_for(task, 30)
+        await asyncio.to_thread(closer.join, 30)
+        with pytest.raises(RuntimeError, match="closed"):
+            await asyncio.wait_for(anext(server.generate([8, 9], params)), 5)
+        return deltas
+
+    deltas = asyncio.run(run())
+    assert deltas[-1].finished and deltas[-1].finish_reason == "error"
+    assert sum(len(d.token_ids) for d in deltas) < 50
