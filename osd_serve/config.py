@@ -45,7 +45,8 @@ def _is_number(v: object) -> bool:
 
 @dataclass
 class SamplingParams:
-    """Per-request generation settings. ``temperature == 0`` is greedy decoding."""
+    """Per-request generation settings. ``temperature == 0`` is greedy decoding (and any temperature
+    that is 0 in float32, ``is_greedy``)."""
 
     # None: the rest of the context, max_model_len minus the prompt's tokens (resolved per prompt,
     # output.fit_max_tokens); the chat API's default, as OpenAI's and vLLM's.

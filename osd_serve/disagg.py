@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import torch
 
 from .config import is_greedy
-from .engine import StepStats
+from .engine import StepStats, check_state_fits
 from .kv import BatchKV, make_hole_safe, pad_right
 from .output import Request, StreamDelta
 from .sampling import seeded_generator
@@ -219,17 +219,7 @@ class DraftWorker:
         """New draft weights (names as in draft.state_dict()). Call it between calls, never during one
         (the deployment runs it on its torch thread). Caches and drafted-ahead proposals hold the old
         weights' work: dropped, so each sequence is recomputed by the new draft at its next proposal."""
-        own = self.draft.state_dict()
-        unknown = set(state) - set(own)
-        if unknown:
-            raise ValueError(f"swap: state has names the draft does not: {sorted(unknown)[:3]}")
-        # Checked before loading, as SpecEngine.swap_draft does: load_state_dict copies every tensor that
-        # fits before it raises on one that does not, which left a mix of two versions serving, labelled
-        # (and cached) as the old one.
-        wrong = [n for n, t in state.items() if t.shape != own[n].shape]
-        if wrong:
-            raise ValueError(f"swap: {wrong[0]} has shape {tuple(state[wrong[0]].shape)}, the draft's is "
-                             f"{tuple(own[wrong[0]].shape)} (a version of another draft?)")
+        check_state_fits(self.draft, state, "swap")  # else a mix of two versions served, labelled the old one
         self.draft.load_state_dict(state, strict=False)
         self.version = version
         self.caches = SeqCaches(self.draft, self.device, self.max_seqs, **self._cache_args)
@@ -360,9 +350,15 @@ class TargetVerifier:
         if self.recorder is not None:
             if q is None:  # all greedy: the draft's q is one-hot at its tokens (padding past k_i is never read)
                 q = torch.nn.functional.one_hot(draft, self.vocab).float()  # [B, k, V]
-            self.recorder.observe_probs([(it.seq_id, it.expert) for it in items], torch.softmax(logits.float(), -1), q,
-                                        n_acc_l, ks, [len(h) - it.prompt_len for h, it in zip(hist, items)],
-                                        [it.draft_version for it in items])
+            # A sequence id twice in the batch (a duplicated request) is recorded at its first place only,
+            # as its cache is (SeqCaches.gather): both places in one trace made a record whose positions
+            # and distributions came from two histories.
+            own = _firsts(ids)
+            rows_ = slice(None) if all(own) else torch.tensor([i for i, o in enumerate(own) if o], device=dev)
+            pick = lambda xs: [x for x, o in zip(xs, own) if o]  # noqa: E731
+            self.recorder.observe_probs(pick([(it.seq_id, it.expert) for it in items]), torch.softmax(logits[rows_].float(), -1),
+                                        q[rows_], pick(n_acc_l), pick(ks), pick([len(h) - it.prompt_len for h, it in zip(hist, items)]),
+                                        pick([it.draft_version for it in items]))
         # The cache keeps the history and the accepted drafts; the correction/bonus token is fed next step.
         kv.truncate(torch.tensor([len(h) + a for h, a in zip(hist, n_acc_l)], device=dev))
         self.caches.set_tokens(ids, [h + it.draft[:a] for h, it, a in zip(hist, items, n_acc_l)])

@@ -50,6 +50,19 @@ class StepStats:
         return self.accepted / tested if tested else None
 
 
+def check_state_fits(draft, state: dict[str, torch.Tensor], who: str) -> None:
+    """Refuse draft weights the draft cannot take, before any is loaded: load_state_dict copies every
+    tensor that fits before it raises on one that does not, leaving a mix of two versions."""
+    own = draft.state_dict()
+    unknown = set(state) - set(own)
+    if unknown:
+        raise ValueError(f"{who}: state has names the draft does not: {sorted(unknown)[:3]}")
+    wrong = [n for n, t in state.items() if t.shape != own[n].shape]
+    if wrong:
+        raise ValueError(f"{who}: {wrong[0]} has shape {tuple(state[wrong[0]].shape)}, the draft's is "
+                         f"{tuple(own[wrong[0]].shape)} (a version of another draft?)")
+
+
 class SpecEngine:
     def __init__(self, target, draft, tokenizer, config: EngineConfig | None = None, recorder=None):
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
@@ -230,14 +243,7 @@ class SpecEngine:
         lossless; only acceptance depends on it."""
         # Checked here, in the caller's thread: a state the draft cannot take must fail the swap,
         # not the next step (every request in it) after load_state_dict copied half of it in.
-        own = self.draft.state_dict()
-        unknown = set(state) - set(own)
-        if unknown:
-            raise ValueError(f"swap_draft: state has names the draft does not: {sorted(unknown)[:3]}")
-        wrong = [n for n, t in state.items() if t.shape != own[n].shape]
-        if wrong:
-            raise ValueError(f"swap_draft: {wrong[0]} has shape {tuple(state[wrong[0]].shape)}, the draft's is "
-                             f"{tuple(own[wrong[0]].shape)} (a version of another draft?)")
+        check_state_fits(self.draft, state, "swap_draft")
         with self._swap_lock:
             self._pending_swap = (state, version)
 

@@ -87,3 +87,22 @@ def test_a_temperature_that_is_zero_in_float32_is_greedy_on_both_paths(target, t
     assert params.greedy and not SamplingParams(temperature=1.5e-45).greedy  # 1.5e-45 is float32's smallest
     out = SpecEngine(target, draft, tok).generate([prompt], params)[0]
     assert out.token_ids == _hf_greedy(target, prompt, 8)
+
+
+def test_a_sequence_twice_in_one_batch_is_recorded_once(target):
+    """Both places of a duplicated id went into one replay trace: its record mixed positions and
+    target distributions from two histories. The first place is recorded, as its cache is kept."""
+    from osd_serve.distill.recorder import Recorder, RecordConfig
+
+    vocab = target.config.vocab_size
+    pa, pb = _prompts(vocab, n=2, seed=6)
+    rec = Recorder(RecordConfig("all"))
+    ver = TargetVerifier(target, vocab, recorder=rec)
+    ra, rb = _hf_greedy(target, pa, 2), _hf_greedy(target, pb, 3)
+    v, _ = ver.verify([VerifyItem("A", pa, ra[:2], None, Sampling()), VerifyItem("A", pb, [rb[0] + 1], None, Sampling()),
+                       VerifyItem("B", pb, rb, None, Sampling())])
+    assert [x.accepted for x in v] == [2, 0, 3]
+    a, b = rec.traces["A"], rec.traces["B"]
+    # A's first place only: 2 tested, 2 accepted, 3 positions kept (the second place would add 1, 0, 1)
+    assert (a.steps, a.tested, a.accepted, len(a.positions)) == (1, 2, 2, 3)
+    assert (b.steps, b.tested, b.accepted, len(b.positions)) == (1, 3, 3, 4)

@@ -133,8 +133,10 @@ class Shard:
             self.nbytes -= self.records.popleft().nbytes
         if not self.records:
             # Emptied (every record larger than the new bound): a reservoir that stayed 'full' kept
-            # each new record with probability len(records)/seen = 0, and refused every one for good.
-            self.full = False
+            # each new record with probability len(records)/seen = 0, and refused every one for good;
+            # one that refilled untested still divided by the old count and froze on its first few.
+            # The sample restarts over the records offered from now on.
+            self.full, self.seen = False, 0
 
     def _evict_random(self, max_bytes: int) -> None:
         while self.records and self.nbytes > max_bytes:

@@ -74,7 +74,7 @@ class TrainConfig:
         # weights again); NaN made every weight NaN. inf is no clipping.
         if not self.max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be > 0 (inf: no clipping), got {self.max_grad_norm}")
-        if self.recent_window < 1:  # records[-0:] is every record, records[-(-n):] the oldest but n
+        if self.recent_window < 1:  # records[-0:] is every record, records[-(-n):] all but the oldest n
             raise ValueError(f"recent_window must be >= 1 (recent_fraction 0: no recency), got {self.recent_window}")
 
 

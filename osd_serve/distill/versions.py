@@ -117,9 +117,13 @@ class VersionStore:
 
     def _write_manifest(self) -> None:
         tmp = self.root / f".manifest-{os.getpid()}.tmp"
-        tmp.write_text(json.dumps(self.manifest, indent=2))
-        _fsync(tmp)  # the versions it names are on the device already (_publish): so must it be
-        os.replace(tmp, self.root / "manifest.json")
+        try:
+            tmp.write_text(json.dumps(self.manifest, indent=2))
+            _fsync(tmp)  # the versions it names are on the device already (_publish): so must it be
+            os.replace(tmp, self.root / "manifest.json")
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # a full disk: not one more file on it per process that tried
+            raise
         with contextlib.suppress(OSError):  # the rename's durability; the manifest is in place either way
             _fsync(self.root)
 
@@ -167,6 +171,8 @@ class VersionStore:
                 else:
                     _fsync(f)
             os.replace(tmp, self.path(version))
+            with contextlib.suppress(OSError):  # the rename reaches the device before the manifest names it
+                _fsync(self.root)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         saved = json.loads(json.dumps(self.manifest))
