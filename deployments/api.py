@@ -136,13 +136,15 @@ def make_app(backend, cfg: AppConfig) -> FastAPI:
                                             "experts": backend.experts()}]}
 
     async def _serve(request: Request, chat: bool):
-        raw = await request.body()
         # Before parsing: a text prompt is capped by max_prompt_chars after parsing, but a list of token
         # ids or many messages would be parsed first (8 bytes a character covers "\uXXXX" escapes).
         limit = 8 * cfg.prompt_char_limit + (1 << 16)
-        if len(raw) > limit:
-            raise RequestError(f"body: {len(raw)} bytes, more than {limit} (8 per character of max_prompt_chars)", None, 413)
-        req = parse_request(raw, ChatRequest if chat else CompletionRequest)
+        raw = bytearray()
+        async for chunk in request.stream():  # as it comes: request.body() held a body of any size whole first
+            raw += chunk
+            if len(raw) > limit:
+                raise RequestError(f"body: more than {limit} bytes (8 per character of max_prompt_chars)", None, 413)
+        req = parse_request(bytes(raw), ChatRequest if chat else CompletionRequest)
         if req.model not in (None, cfg.served_model_name):
             raise RequestError(f"model: unknown model {req.model!r}; this server serves {cfg.served_model_name!r}", "model", 404)
         # Chat is rendered where the tokenizer lives (the engine replica); the router classifies text.
@@ -200,7 +202,7 @@ def make_app(backend, cfg: AppConfig) -> FastAPI:
                     yield sse(usage_chunk(rid, model, usage(n_tok), chat, created))
                 yield sse("[DONE]")
 
-            return StreamingResponse(events(), media_type="text/event-stream", headers={"x-osd-expert": expert})
+            return _ClosingStream(events(), it, media_type="text/event-stream", headers={"x-osd-expert": expert})
 
         text, n_tok, finish = "", 0, None
         try:
@@ -252,6 +254,26 @@ def make_app(backend, cfg: AppConfig) -> FastAPI:
             raise RequestError(f"expert: unknown expert {expert!r}; known: {backend.experts()}", "expert", 404)
 
     return app
+
+
+class _ClosingStream(StreamingResponse):
+    """Closes its body and the backend's stream under it however the response ends. A client that goes
+    away cancels the response while the body is suspended at a yield (handing a chunk to send), and
+    Starlette leaves that generator to the garbage collector; it sits in a reference cycle, so the
+    backend's finally (the disaggregated release of the sequence on DraftPool and Verifier) waited
+    for a full collection. The body never closes the stream itself (it stops at an error delta)."""
+
+    def __init__(self, body, source, **kwargs):
+        super().__init__(body, **kwargs)
+        self.source = source
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+            if hasattr(self.source, "aclose"):
+                await self.source.aclose()
 
 
 async def _chain(first, rest):

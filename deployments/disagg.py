@@ -22,6 +22,7 @@ import os
 import secrets
 import time
 import uuid
+import weakref
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -90,13 +91,19 @@ class DraftPool(_Batched):
         self.base, self.vocab, _ = _load(self.cfg, "draft")
         self.adapters = {e.name: e.adapter for e in self.cfg.experts}
         self._configure(self.propose, self.cfg)
-        self.workers: dict[str, DraftWorker] = {}
+        # Weak: @serve.multiplexed's LRU cache owns the workers. When it evicts one past its cap it only
+        # drops its reference (and calls __del__, which a DraftWorker has none of), so a strong dict here
+        # kept every expert's draft copy and KV caches loaded and the cap freed nothing.
+        self.workers: weakref.WeakValueDictionary[str, DraftWorker] = weakref.WeakValueDictionary()
         # Online distillation: the cluster distiller publishes versions; each loaded expert is hot-swapped
         # on the torch thread, between batches, so no request fails or waits for more than one swap.
         self.watcher = VersionWatcher(_versions_dir(self.cfg), self._swap) if self.cfg.distill.enabled else None
 
     def _swap(self, expert: str, state: dict, version: int) -> None:  # the watcher's thread
-        self.pool.submit(self.workers[expert].swap, state, version).result()
+        worker = self.workers.get(expert)
+        if worker is None:  # evicted: when it is loaded again, watch() gives it the store's current version
+            return
+        self.pool.submit(worker.swap, state, version).result()
 
     @serve.multiplexed(max_num_models_per_replica=64)
     async def get_worker(self, expert: str) -> DraftWorker:
@@ -129,8 +136,11 @@ class DraftPool(_Batched):
         return out
 
     async def release(self, seq_id: str) -> None:
-        worker = await self.get_worker(serve.get_multiplexed_model_id())
-        await self._run(worker.release, seq_id)
+        # Not get_worker: on a replica without this expert (evicted, or the release routed elsewhere) it
+        # loaded a whole draft, evicting another expert, to free a sequence that was never here.
+        worker = self.workers.get(serve.get_multiplexed_model_id())
+        if worker is not None:
+            await self._run(worker.release, seq_id)
 
 
 @serve.deployment(name="Verifier", max_ongoing_requests=256,

@@ -128,3 +128,87 @@ def test_a_completions_logprobs_refusal_does_not_advise_0(client, logprobs):
     r = _post(client, "/v1/completions", {"prompt": "x", "logprobs": logprobs})
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
     assert "or 0" not in r.json()["error"]["message"], r.text
+
+
+def _scope(path: str) -> dict:
+    """A POST as uvicorn's HTTP scope has it: no asgi spec_version, so Starlette watches receive() for
+    a disconnect."""
+    return {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+            "path": path, "raw_path": path.encode(), "root_path": "", "query_string": b"",
+            "headers": [(b"content-type", b"application/json")], "client": ("c", 1), "server": ("s", 80)}
+
+
+class Endless(Scripted):
+    """A stream that never ends and never waits, so a disconnect lands while a chunk is handed to send."""
+
+    closed = 0
+
+    async def stream(self, expert, prompt, params):
+        try:
+            while True:
+                yield {"text": "a", "token_ids": [1], "finished": False, "finish_reason": None, "prompt_tokens": 3}
+        finally:  # where the disaggregated backend releases the sequence on DraftPool and Verifier
+            self.closed += 1
+
+
+def test_a_client_that_goes_away_mid_stream_ends_the_backends_stream():
+    """Starlette cancels a stream whose client disconnected with the body suspended at a yield and
+    leaves it to the garbage collector, which finds it only in a full collection (a reference cycle):
+    the disaggregated sequence stayed live on the Verifier, its caches held, until then."""
+    import asyncio
+    import gc
+
+    backend = Endless()
+    app = make_app(backend, AppConfig(wandb={"mode": "disabled"}))
+    body = json.dumps({"prompt": "x", "stream": True}).encode()
+
+    async def run():
+        chunks, gone, asked = [], asyncio.Event(), []
+
+        async def receive():
+            asked.append(1)
+            if len(asked) == 1:
+                return {"type": "http.request", "body": body, "more_body": False}
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            chunks.append(message)
+            if len(chunks) == 3:  # the headers and two chunks, then the client goes away
+                gone.set()
+
+        await app(_scope("/v1/completions"), receive, send)
+        for _ in range(10):  # time for an asyncio finalizer, if the stream were merely unreferenced
+            await asyncio.sleep(0.01)
+        return backend.closed
+
+    gc.disable()  # a collection at the wrong moment would hide the leak
+    try:
+        assert asyncio.run(run()) == 1
+    finally:
+        gc.enable()
+
+
+def test_a_body_over_the_cap_is_refused_as_it_arrives():
+    """The 413 for a body over 8 bytes a prompt character came after request.body() had read all of
+    it: a client could make the router hold gigabytes first."""
+    import asyncio
+
+    app = make_app(Scripted(), AppConfig(wandb={"mode": "disabled"}, max_prompt_chars=1000))  # cap: 73,536 bytes
+    chunk, n = b" " * 16384, 1000  # 16 MB of JSON whitespace, in pieces
+
+    async def run():
+        read, sent = [], []
+
+        async def receive():
+            read.append(1)
+            return {"type": "http.request", "body": chunk, "more_body": len(read) < n}
+
+        async def send(message):
+            sent.append(message)
+
+        await app(_scope("/v1/completions"), receive, send)
+        return len(read), sent[0]["status"]
+
+    n_read, status = asyncio.run(run())
+    assert status == 413 and n_read <= 6, n_read  # the chunks up to the cap, and none after

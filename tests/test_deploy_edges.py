@@ -1,0 +1,107 @@
+"""Edges of the Ray Serve deployments (deployments/disagg.py) run without a Ray cluster: DraftPool's
+expert workers under Ray Serve's own multiplexing cache (ray.serve.multiplex), whose metrics, replica
+context and controller pushes are stubbed out; its load and LRU-eviction code is Ray's own."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import weakref
+from types import SimpleNamespace
+
+import pytest
+
+from tests.conftest import llama
+
+pytest.importorskip("ray.serve")
+
+
+class _Metric:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __getattr__(self, name):  # inc, set, observe: no-ops here
+        return lambda *args, **kwargs: None
+
+
+class _Pusher:  # Ray's MetricsPusher pushes loaded model ids to a controller there is none of here
+    def register_or_update_task(self, *args):
+        pass
+
+    def start(self):
+        pass
+
+
+def _pool(monkeypatch, cap: int):
+    """A DraftPool over a tiny draft, with experts a and b, whose multiplexing cache holds `cap` experts.
+    Returns (pool, the multiplexing cache, the experts' loads)."""
+    import ray.serve.multiplex as mux
+
+    import deployments.disagg as dd
+    from deployments.config import AppConfig
+
+    monkeypatch.setattr(mux, "_get_internal_replica_context",
+                        lambda: SimpleNamespace(app_name="app", deployment="DraftPool", replica_id="r1"))
+    monkeypatch.setattr(mux, "metrics", SimpleNamespace(Histogram=_Metric, Gauge=_Metric, Counter=_Metric))
+    monkeypatch.setattr(mux, "MetricsPusher", _Pusher)
+    monkeypatch.setattr(dd, "_load", lambda cfg, role: (llama(50, hidden=16, layers=1), 50, 256))
+    cfg = AppConfig(distill={"enabled": False}, experts=[{"name": "a"}, {"name": "b"}], default_expert="a")
+    pool = dd.DraftPool.func_or_class(cfg.model_dump())
+    loads = []
+    new_worker = pool._new_worker
+    pool._new_worker = lambda expert: (loads.append(expert), new_worker(expert))[1]
+    # the cache get_worker makes on its first call, made here with a cap the test can reach
+    cache = mux._ModelMultiplexWrapper(dd.DraftPool.func_or_class.get_worker.__wrapped__, pool, cap)
+    setattr(pool, "__serve_multiplex_wrapper", cache)
+    return pool, cache, loads
+
+
+def _as_request_for(expert: str) -> None:
+    """What a call made with .options(multiplexed_model_id=expert) sees as serve.get_multiplexed_model_id()."""
+    from ray.serve import context
+
+    context._serve_request_context.set(context._RequestContext(multiplexed_model_id=expert))
+
+
+def test_an_expert_evicted_by_the_multiplexing_cap_frees_its_draft(monkeypatch):
+    """Ray Serve evicts the least recently used expert past max_num_models_per_replica by dropping its
+    reference (and calling __del__, which a DraftWorker has none of). DraftPool.workers kept a strong
+    one, so every expert ever served stayed loaded, draft copy and KV caches, and the cap did nothing."""
+    pool, cache, loads = _pool(monkeypatch, cap=1)
+
+    async def run():
+        a = await pool.get_worker("a")
+        gone = weakref.ref(a)
+        del a
+        b = await pool.get_worker("b")  # past the cap: a is evicted
+        assert list(cache.models) == ["b"]
+        gc.collect()
+        assert gone() is None, "the evicted expert's worker is still referenced"
+        assert dict(pool.workers) == {"b": b}
+        # a published version for the evicted expert is skipped, not an error on the watcher's thread
+        pool._swap("a", {}, 3)
+        assert await pool.get_worker("a") is pool.workers["a"] and loads == ["a", "b", "a"]
+
+    asyncio.run(run())
+
+
+def test_a_release_for_an_expert_not_loaded_here_loads_nothing(monkeypatch):
+    """The release of a sequence whose expert this replica does not hold (evicted, or the release
+    routed to another replica) went through get_worker: it built a whole draft, evicting another
+    expert, to free nothing."""
+    pool, cache, loads = _pool(monkeypatch, cap=1)
+    from osd_serve.disagg import ProposeItem, Sampling
+
+    async def run():
+        _as_request_for("b")
+        await pool.release("seq-1")
+        assert loads == [] and list(cache.models) == []
+        # where the expert is loaded, the release frees its sequence
+        _as_request_for("a")
+        worker = await pool.get_worker("a")
+        worker.propose([ProposeItem("seq-2", [5, 6, 7], 2, Sampling())])
+        assert "seq-2" in worker.caches.tokens
+        await pool.release("seq-2")
+        assert "seq-2" not in worker.caches.tokens and loads == ["a"]
+
+    asyncio.run(run())
