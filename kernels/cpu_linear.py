@@ -22,7 +22,9 @@ Only for models that do not train (the target): a packed copy goes stale when th
 each call checks the weight's version counter and storage and repacks if either moved. That sees
 writes through the parameter (``copy_``, ``load_state_dict``, in-place ops, assignment, ``.to()``) but
 not writes through ``weight.data`` (its own version counter, same storage), which peft's LoRA merge
-uses: never merge adapters into a packed model. Costs one extra copy of the linear weights in memory.
+uses: never merge adapters into a packed model. Nor a fused optimizer step (``AdamW(fused=True)``:
+torch 2.13's ``_fused_adamw_`` moves no version counter), which a frozen target never takes. Costs
+one extra copy of the linear weights in memory.
 """
 
 from __future__ import annotations

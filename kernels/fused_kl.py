@@ -85,6 +85,12 @@ def chunked_forward_kl(student_logits, teacher_probs, mask=None, chunk_size: int
     """
     if student_logits.shape != teacher_probs.shape:
         raise ValueError(f"shapes differ: student {tuple(student_logits.shape)}, teacher {tuple(teacher_probs.shape)}")
+    if student_logits.dim() != 2:  # [B, T, V] failed deep in a chunk with a broadcasting error
+        raise ValueError(f"logits must be [N, V] (flatten the positions first), got {tuple(student_logits.shape)}")
+    # A [1] or [N, 1] mask broadcast: the loss came out as the sum over all rows, not their mean
+    # (losses._check refuses it for the plain losses)
+    if mask is not None and mask.shape != student_logits.shape[:1]:
+        raise ValueError(f"mask shape {tuple(mask.shape)} does not match the positions {tuple(student_logits.shape[:1])}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if use_triton is None:

@@ -69,7 +69,7 @@ needs_skinny = pytest.mark.skipif(cpu_linear.skinny_kernel() is None, reason="no
 
 
 @needs_skinny
-@pytest.mark.parametrize("rows", [1, 2, 5, 7, 9, 12, 13, 25, 49])
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 7, 9, 10, 12, 13, 25, 49])  # last tile of every height 1-6
 @pytest.mark.parametrize("out_f,in_f", [(1, 1), (5, 16), (7, 17), (3, 1408), (1411, 513), (4096, 512)])
 def test_skinny_kernel_matches_reference_and_ignores_other_rows(rows, out_f, in_f):
     """Odd shapes (K not a multiple of 16, N not of the 4-row weight blocks), more rows than one tile;

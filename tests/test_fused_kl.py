@@ -35,6 +35,13 @@ def test_reference_equals_losses_forward_kl():
 
 
 BACKENDS = [False] + ([True] if HAS_TRITON else [])
+# The Triton backend runs on the GPU where there is one: conftest sets TRITON_INTERPRET=1 only without
+# CUDA, and a compiled kernel cannot read CPU tensors. The reference stays on the CPU.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _dev(use_triton: bool) -> str:
+    return DEVICE if use_triton else "cpu"
 
 
 @pytest.mark.parametrize("use_triton", BACKENDS, ids=lambda t: "triton" if t else "torch")
@@ -42,7 +49,9 @@ BACKENDS = [False] + ([True] if HAS_TRITON else [])
 def test_chunked_matches_reference_value_and_gradient(use_triton, n, v, chunk, topk):
     s, p, mask = _inputs(n, v, n * v, topk)
     ref_loss, ref_grad = _grad(forward_kl_reference, s, p, mask)
-    got_loss, got_grad = _grad(lambda a, b, m: chunked_forward_kl(a, b, m, chunk_size=chunk, use_triton=use_triton), s, p, mask)
+    d = _dev(use_triton)
+    got_loss, got_grad = _grad(lambda a, b, m: chunked_forward_kl(a, b, m, chunk_size=chunk, use_triton=use_triton), s.to(d), p.to(d), mask.to(d))
+    got_loss, got_grad = got_loss.cpu(), got_grad.cpu()
     assert torch.allclose(got_loss, ref_loss, rtol=1e-4, atol=1e-5)
     assert torch.allclose(got_grad, ref_grad, rtol=1e-4, atol=1e-6)
     assert not got_grad[~mask].any()  # masked positions get no gradient
@@ -51,8 +60,9 @@ def test_chunked_matches_reference_value_and_gradient(use_triton, n, v, chunk, t
 @pytest.mark.parametrize("use_triton", BACKENDS, ids=lambda t: "triton" if t else "torch")
 def test_low_precision_logits_keep_their_dtype(use_triton):
     s, p, mask = _inputs(4, 300, 3)
-    s16 = s.to(torch.bfloat16)
-    loss, grad = _grad(lambda a, b, m: chunked_forward_kl(a, b, m, chunk_size=2, use_triton=use_triton), s16, p.half(), mask)
+    s16, d = s.to(torch.bfloat16), _dev(use_triton)
+    loss, grad = _grad(lambda a, b, m: chunked_forward_kl(a, b, m, chunk_size=2, use_triton=use_triton), s16.to(d), p.half().to(d), mask.to(d))
+    loss, grad = loss.cpu(), grad.cpu()
     ref_loss, ref_grad = _grad(forward_kl_reference, s16.float(), p.half().float(), mask)
     assert grad.dtype == torch.bfloat16
     assert torch.allclose(loss, ref_loss, rtol=1e-3)
@@ -87,7 +97,8 @@ def test_masked_vocabulary_gives_the_exact_kl_not_nan(use_triton):
     finite = s.masked_fill(s == float("-inf"), -1e4)  # the same distribution q, written with finite logits
     want = forward_kl_reference(finite, p)
     assert torch.isfinite(forward_kl_reference(s, p)) and torch.allclose(forward_kl_reference(s, p), want, atol=1e-5)
-    x = s.clone().requires_grad_(True)
-    loss = chunked_forward_kl(x, p, chunk_size=2, use_triton=use_triton)
+    d = _dev(use_triton)
+    x = s.to(d).requires_grad_(True)
+    loss = chunked_forward_kl(x, p.to(d), chunk_size=2, use_triton=use_triton)
     loss.backward()
-    assert torch.allclose(loss, want, atol=1e-5) and torch.isfinite(x.grad).all()
+    assert torch.allclose(loss.cpu(), want, atol=1e-5) and torch.isfinite(x.grad).all()
