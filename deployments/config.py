@@ -51,15 +51,10 @@ class ExpertConfig(_Strict):
     def _safetensors_dir(cls, v: str | None) -> str | None:
         # Checked here, at `serve run`: in the replica a bad adapter failed three starts and left the
         # app up with /health answering and every completion a 503.
-        if v is None:
-            return v
-        p = Path(os.path.expanduser(v))
-        if not p.is_dir():
-            raise ValueError(f"{v!r} is not a directory (a peft LoRA adapter directory)")
-        if not (p / "adapter_model.safetensors").is_file():
-            raise ValueError(f"{v!r} has no adapter_model.safetensors (pickled adapters are refused)")
-        if not (p / "adapter_config.json").is_file():  # peft needs it too: without it the replica failed to start
-            raise ValueError(f"{v!r} has no adapter_config.json (save the adapter with peft's save_pretrained)")
+        from osd_serve.loading import adapter_dir_problem
+
+        if v is not None and (why := adapter_dir_problem(v)):
+            raise ValueError(f"{v!r} {why}")
         return v
 
     @field_validator("name")

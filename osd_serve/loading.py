@@ -195,18 +195,27 @@ def check_same_vocab(target_tok, draft_tok) -> None:
         )
 
 
+def adapter_dir_problem(path: str) -> str | None:
+    """Why ``path`` is not a peft LoRA directory this project loads (safetensors only), or None.
+    Asked at `serve run` (deployments.config) and again where the adapter loads."""
+    p = Path(expand(path))
+    if not p.is_dir():
+        return "is not a directory (a peft LoRA adapter directory)"
+    if not (p / "adapter_model.safetensors").is_file():
+        return "has no adapter_model.safetensors (pickled adapters are refused)"
+    if not (p / "adapter_config.json").is_file():  # peft needs it too: its own error read "does not fit the draft"
+        return "has no adapter_config.json (save the adapter with peft's save_pretrained)"
+    return None
+
+
 def attach_adapter(draft, name: str, path: str):
     """Attach a LoRA adapter to the draft with peft. safetensors only: a pickled adapter is refused
     (peft prefers adapter_model.safetensors when it exists, and we refuse directories without one)."""
     from peft import PeftModel
 
+    if why := adapter_dir_problem(path):
+        raise ValueError(f"adapter {name!r}: {path!r} {why}")
     p = Path(expand(path))
-    if not p.is_dir():
-        raise ValueError(f"adapter {name!r}: {path!r} is not a directory")
-    if not (p / "adapter_model.safetensors").is_file():
-        raise ValueError(f"adapter {name!r} at {path!r} has no adapter_model.safetensors (pickled adapters are refused)")
-    if not (p / "adapter_config.json").is_file():  # else peft's error came out as "does not fit the draft"
-        raise ValueError(f"adapter {name!r} at {path!r} has no adapter_config.json (save it with peft's save_pretrained)")
     try:
         if isinstance(draft, PeftModel):
             draft.load_adapter(str(p), adapter_name=name)

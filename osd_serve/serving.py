@@ -121,12 +121,16 @@ class AsyncSpecServer:
         self._thread.join(timeout=10)
 
     # ---- loop thread ------------------------------------------------------------------------------
-    def _drain_inbox(self) -> None:
+    def _inbox_items(self):
+        """What the inbox holds now, taken one at a time until it is empty."""
         while True:
             try:
-                item = self._inbox.get_nowait()
+                yield self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _drain_inbox(self) -> None:
+        for item in self._inbox_items():
             if isinstance(item, tuple):  # ("abort", request_id): its caller has gone, so has its sink
                 expert = self._owner.pop(item[1], None)
                 self._sinks.pop(item[1], None)
@@ -158,11 +162,7 @@ class AsyncSpecServer:
 
     def _end_all(self) -> None:
         """On close: fail every add still queued and end every request still held."""
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                break
+        for item in self._inbox_items():
             if isinstance(item, _Add) and item.future.set_running_or_notify_cancel():
                 item.future.set_exception(RuntimeError("the engine server is closed"))
         for rid, expert in list(self._owner.items()):

@@ -18,7 +18,7 @@ def test_an_adapter_without_its_config_is_refused_when_the_config_is_read(tmp_pa
     (tmp_path / "adapter_model.safetensors").write_bytes(b"")
     with pytest.raises(ValueError, match=r"experts\.1\.adapter: .*no adapter_config\.json"):
         parse_config({"experts": [{"name": "default"}, {"name": "sql", "adapter": str(tmp_path)}]})
-    with pytest.raises(ValueError, match="adapter 'sql' at .* has no adapter_config.json"):
+    with pytest.raises(ValueError, match="adapter 'sql': .* has no adapter_config.json"):
         expert_draft(llama(8, hidden=32, layers=1), str(tmp_path), "sql")
 
 

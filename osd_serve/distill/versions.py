@@ -67,6 +67,13 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def _fsync_dir(path: Path) -> None:
+    """A directory's entries (a rename into it), best effort: some filesystems refuse a directory's
+    fsync (EINVAL), and what it guards is durability only."""
+    with contextlib.suppress(OSError):
+        _fsync(path)
+
+
 def claim_slot(root: str | os.PathLike) -> tuple[Path, object]:
     """A directory ``root/slot-N`` that no live process holds, and the open file whose lock holds it
     for as long as it stays open. The OS drops the lock when its process dies, even killed, so a
@@ -124,8 +131,7 @@ class VersionStore:
         except BaseException:
             tmp.unlink(missing_ok=True)  # a full disk: not one more file on it per process that tried
             raise
-        with contextlib.suppress(OSError):  # the rename's durability; the manifest is in place either way
-            _fsync(self.root)
+        _fsync_dir(self.root)  # the rename's durability; the manifest is in place either way
 
     @contextlib.contextmanager
     def _locked(self):
@@ -165,14 +171,9 @@ class VersionStore:
                 adapter_writer(str(tmp / "adapter"))
             (tmp / "meta.json").write_text(json.dumps({"version": version, "time": time.time(), **(meta or {})}, indent=2, default=str))
             for f in [*tmp.rglob("*"), tmp]:  # files and directories, before the manifest can name them
-                if f.is_dir():  # some filesystems refuse a directory's fsync (EINVAL): its entries' durability only
-                    with contextlib.suppress(OSError):
-                        _fsync(f)
-                else:
-                    _fsync(f)
+                (_fsync_dir if f.is_dir() else _fsync)(f)
             os.replace(tmp, self.path(version))
-            with contextlib.suppress(OSError):  # the rename reaches the device before the manifest names it
-                _fsync(self.root)
+            _fsync_dir(self.root)  # the rename reaches the device before the manifest names it
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         saved = json.loads(json.dumps(self.manifest))
