@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections import Counter
 import subprocess
 import time
 from dataclasses import asdict, dataclass
@@ -18,12 +19,11 @@ from tqdm import tqdm
 
 from kernels.cpu_linear import PackedLinear
 
+from .auto_k import expected_tokens, filled_cache, timed_forward
 from .bench_hf import HF_ASSISTED_BATCH, hf_assisted_settings, hf_generate, hf_matched_k
 from .config import EngineConfig, SamplingParams
 from .engine import SpecEngine
-from .kv import BatchKV
 from .output import check_prompt
-from .spec import _sync
 
 
 def analytic_speedup(alpha: float, k: int, c: float, verify_cost: float = 1.0) -> float:
@@ -35,14 +35,6 @@ def analytic_speedup(alpha: float, k: int, c: float, verify_cost: float = 1.0) -
     measured and analytic is the target's own cost growth rather than engine overhead.
     """
     return expected_tokens(alpha, k) / (k * c + verify_cost)
-
-
-def expected_tokens(alpha: float, k: int) -> float:
-    """Tokens per target forward that S assumes: (1 - α^(k+1)) / (1 - α), every position accepted
-    independently with the same α (α=1: k+1). Real acceptance is correlated (a hard stretch of text
-    rejects early in every step) and max_tokens cuts each sequence's last step, so the measured
-    tokens per forward fall below this as k grows; the bench reports the ratio."""
-    return k + 1 if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
 def acceptance_model_ratios(measured: float, k: int, c: float, alpha: float, v: float | None, tokens: float,
@@ -90,37 +82,6 @@ def mismatches(model, prompts: list[list[int]], outs: list[list[int]], refs: lis
             length_only += 1
     return {"differ": len(gaps) + length_only, "near_ties": sum(g < tie for g in gaps), "max_gap": max(gaps, default=None),
             "length_only": length_only}
-
-
-@torch.inference_mode()
-def filled_cache(model, batch: int, context: int, vocab: int, device) -> BatchKV:
-    """A BatchKV of ``batch`` rows holding ``context`` random tokens each."""
-    kv = BatchKV(model, batch, device)
-    ctx = torch.randint(0, vocab, (batch, context), device=device)
-    kv.forward(ctx, torch.ones_like(ctx, dtype=torch.bool))
-    return kv
-
-
-@torch.inference_mode()
-def timed_forward(kv: BatchKV, tokens: int, vocab: int) -> float:
-    """Seconds of one forward appending ``tokens`` random tokens to every row, then rolled back.
-
-    Rolled back by ``truncate`` alone: every row drops the same suffix, which crops the cache in
-    place, so the next forward appends into the same buffers as an engine step does. Compacting here
-    as well would hand every layer a freshly gathered tensor that the next forward must copy into a
-    new buffer: a whole-cache copy per timed forward (1.1 ms of a 6 ms target forward at batch 1, 3 ms
-    of 10 ms at batch 8 on the 2-core host) that no decode step pays. It made c and v read 5-15% low."""
-    device, width = kv.length.device, kv.width
-    tok = torch.randint(0, vocab, (kv.batch_size, tokens), device=device)
-    new = torch.ones(kv.batch_size, tokens, dtype=torch.bool, device=device)
-    _sync(device)
-    t0 = time.perf_counter()
-    kv.forward(tok, new)
-    _sync(device)
-    dt = time.perf_counter() - t0
-    kv.truncate(kv.length - tokens)  # keep the context length fixed
-    assert kv.width == width, "a common suffix must be cropped, not left as holes"
-    return dt
 
 
 @torch.inference_mode()
@@ -190,6 +151,7 @@ class DecoderResult:
     # engine: of ``seconds``, the time outside draft and target forwards and prefill (median): the
     # loop's own bookkeeping (admission, uniforms, appending and detokenising, cache compaction)
     loop_seconds: float | None = None
+    auto_k_steps: dict | None = None  # engine "auto": steps per k it chose (first round)
 
     @property
     def tokens_per_s(self) -> float:
@@ -218,9 +180,10 @@ def _uncut_tokens_per_forward(stats, k: int) -> float | None:
     return (sum(s.accepted for s in full) + rows) / rows if rows else None
 
 
-def engine_run(target, draft, tok, ids, batch: int, max_tokens: int, k: int):
-    """One engine run over all prompts, a fresh engine each time: (completions, per-step stats)."""
-    eng = SpecEngine(target, draft, tok, EngineConfig(max_batch_size=batch))
+def engine_run(target, draft, tok, ids, batch: int, max_tokens: int, k: int | str, policy=None):
+    """One engine run over all prompts, a fresh engine each time: (completions, per-step stats).
+    ``policy``: for k = "auto", a calibrated SpeculationPolicy's fork (a server calibrated at start-up)."""
+    eng = SpecEngine(target, draft, tok, EngineConfig(max_batch_size=batch), policy=policy)
     stats: list = []
     outs = eng.generate(ids, SamplingParams(max_tokens=max_tokens, num_speculative_tokens=k), stats=stats)
     return outs, stats
@@ -242,7 +205,7 @@ def check_inputs(target, draft, tok, ids: list[list[int]], max_tokens: int, ks) 
 def run_bench(
     target, draft, tok, prompts: list[str], max_tokens: int = 64, batch_sizes=(1, 8), ks=range(1, 9), log=print, repeats: int = 1
 ) -> dict:
-    """``repeats`` > 1 times every decoder that many times, in interleaved rounds (a, b, engine k=1..K, 0,
+    """``repeats`` > 1 times every decoder that many times, in interleaved rounds (a, b, engine k=1..K, 0, auto,
     then again), and keeps each decoder's median time: a slow spell of the machine then hits every
     decoder alike instead of whichever one happened to run during it. The cost ratios c and v are
     measured in every round too and their medians kept: on a shared 2-core machine the speed of one
@@ -272,11 +235,16 @@ def run_bench(
         hf = {} if hf_runs else {
             "b": lambda: (hf_generate(target, tok, ids, max_tokens, HF_ASSISTED_BATCH, assistant=draft), None),
         } | {f"b{k}": (lambda k=k: hf_matched_k(target, tok, ids, max_tokens, draft, k)) for k in ks}
-        decoders = {"a": lambda: (hf_generate(target, tok, ids, max_tokens, bs), None)} | hf \
-            | {k: (lambda k=k: engine_run(target, draft, tok, ids, bs, max_tokens, k)) for k in engine_ks}
-        first, times, ratios = {}, {name: [] for name in decoders}, {name: [] for name in ["c", *ks]}
-        prefill, full_rate, loop = ({k: [] for k in engine_ks} for _ in range(3))
         rows = min(bs, len(ids))  # the batch the engine really runs: fewer prompts than bs fill fewer rows
+        # "auto" chooses among the same ks; calibrated here, untimed, as a server does at start-up
+        auto = SpecEngine(target, draft, tok, EngineConfig(max_batch_size=bs, auto_k_max=max(ks))).policy
+        for b in range(1, rows + 1):
+            auto.cost(b)
+        decoders = {"a": lambda: (hf_generate(target, tok, ids, max_tokens, bs), None)} | hf \
+            | {k: (lambda k=k: engine_run(target, draft, tok, ids, bs, max_tokens, k)) for k in engine_ks} \
+            | {"auto": lambda: engine_run(target, draft, tok, ids, bs, max_tokens, "auto", auto.fork())}
+        first, times, ratios = {}, {name: [] for name in decoders}, {name: [] for name in ["c", *ks]}
+        prefill, full_rate, loop = ({k: [] for k in [*engine_ks, "auto"]} for _ in range(3))
         for _ in tqdm(range(repeats), desc=f"batch {bs}: {repeats} round(s) of {len(decoders)} decoders"):
             for name, run in decoders.items():
                 out, dt = timed(run)
@@ -309,31 +277,35 @@ def run_bench(
         results += list(b_k.values())
         log(f"[batch {bs}] c={c:.3f}  target alone {a.tokens_per_s:.1f} tok/s  HF assisted {b.tokens_per_s:.1f} tok/s")
         per_k = {}
-        for k in engine_ks:
+        for k in [*engine_ks, "auto"]:
             outs, stats = first[k]
             proposed, accepted = sum(s.proposed for s in stats), sum(s.accepted for s in stats)
             row_steps = sum(s.batch_size for s in stats)
             tested = accepted + sum(s.rejected for s in stats)
             alpha = accepted / tested if tested else None  # per-position acceptance, see StepStats.alpha
             m = mismatches(target, ids, [o.token_ids for o in outs], ref)
+            fixed = k != "auto" and k > 0  # S and v are for one k
             r = DecoderResult(
-                "engine" if k else "engine_k0", bs, sum(len(o.token_ids) for o in outs), t[k], k=k, alpha=alpha,
+                "engine" if fixed else f"engine_{'auto' if k else 'k0'}", bs, sum(len(o.token_ids) for o in outs), t[k],
+                k=k if k != "auto" else None, alpha=alpha,
                 acceptance_rate=accepted / proposed if proposed else None,
                 tokens_per_target_forward=sum(s.emitted for s in stats) / row_steps,
-                analytic_speedup=analytic_speedup(alpha, k, c) if k else 1.0,
-                verify_cost=v[k] if k else 1.0,
-                analytic_speedup_measured_v=analytic_speedup(alpha, k, c, v[k]) if k else 1.0,
+                analytic_speedup=analytic_speedup(alpha, k, c) if fixed else 1.0 if k == 0 else None,
+                verify_cost=v[k] if fixed else 1.0 if k == 0 else None,
+                analytic_speedup_measured_v=analytic_speedup(alpha, k, c, v[k]) if fixed else 1.0 if k == 0 else None,
                 outputs_match_target=len(ref) - m["differ"],
                 mismatch=m,
                 rows_per_step=row_steps / len(stats),
                 prefill_seconds=statistics.median(prefill[k]),
-                uncut_tokens_per_target_forward=_uncut_tokens_per_forward(stats, k),
+                uncut_tokens_per_target_forward=_uncut_tokens_per_forward(stats, k) if k != "auto" else None,
                 full_batch_tok_s=statistics.median(full_rate[k]) if None not in full_rate[k] else None,
                 round_seconds=times[k],
                 loop_seconds=statistics.median(loop[k]),
+                auto_k_steps=dict(sorted(Counter(s.auto_k for s in stats).items())) if k == "auto" else None,
             )
             results.append(r)
             per_k[k] = r
+        auto_r = per_k.pop("auto")
         best = max((per_k[k] for k in ks), key=lambda r: r.tokens_per_s)
         k0 = per_k[0]
 
@@ -366,6 +338,16 @@ def run_bench(
             "measured_over_analytic_measured_v": measured(best) / best.analytic_speedup_measured_v,
             "prefill_share_at_best_k": best.prefill_seconds / best.seconds,
             "measured_decode_only_over_analytic": decode_only(best) / best.analytic_speedup,
+            # "auto": the engine choosing k each step (auto_k.py), against the best k chosen afterwards
+            "auto": {
+                "tok_s": auto_r.tokens_per_s, "over_best_k": auto_r.tokens_per_s / best.tokens_per_s,
+                "speedup_vs_target_alone": auto_r.tokens_per_s / a.tokens_per_s,
+                "speedup_vs_hf_assisted": auto_r.tokens_per_s / b.tokens_per_s,
+                "over_each_k": {k: auto_r.tokens_per_s / per_k[k].tokens_per_s for k in ks},
+                "k_steps": auto_r.auto_k_steps, "alpha": auto_r.alpha,
+                "outputs_match_target": auto_r.outputs_match_target, "mismatch": auto_r.mismatch,
+                "first_round_over_median": auto_r.round_seconds[0] / auto_r.seconds,
+            },
             "per_k": {
                 k: {
                     "tok_s": r.tokens_per_s, "alpha": r.alpha, "tokens_per_target_forward": r.tokens_per_target_forward,

@@ -101,6 +101,23 @@ def summary_table(report: dict, title: str) -> str:
                 f"{_f(r.get('loop_share'))} | {_f(r.get('first_round_over_median'))} | "
                 f"{_outputs(r['outputs_match_target'], report['prompts'], r.get('mismatch'))} |"
             )
+    autos = [(name, s["auto"]) for name, s in report["summary"].items() if "auto" in s]  # reports since "auto"
+    if autos:
+        rows += [
+            "",
+            "k = auto: the engine choosing k each step from calibrated forward costs and the acceptance it "
+            "measures (osd_serve/auto_k.py), against every fixed k of the same run.",
+            "",
+            "| batch | auto tok/s | ÷ best k | ÷ k=1..K | steps at each k | (c)/(a) | (c)/(b) | outputs = target |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for name, a in autos:
+            rows.append(
+                f"| {name.split('_')[1]} | {a['tok_s']:.1f} | {a['over_best_k']:.2f} | "
+                f"{' '.join(f'{x:.2f}' for x in a['over_each_k'].values())} | "
+                f"{', '.join(f'{k}: {n}' for k, n in a['k_steps'].items())} | {a['speedup_vs_target_alone']:.2f} | "
+                f"{a['speedup_vs_hf_assisted']:.2f} | {_outputs(a['outputs_match_target'], report['prompts'], a.get('mismatch'))} |"
+            )
     return "\n".join(rows)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_SPECULATIVE_TOKENS = 16
+AUTO = "auto"  # num_speculative_tokens: chosen by the engine each step (auto_k.py)
 # Bounds that fit the int64 tensors and the generator seed these become (the API's limits too).
 TOP_K_LIMIT = 2**31  # exclusive
 # [low, high): int64, hashed to the generator's 32-bit seed (sampling.seeded_generator). A wider
@@ -58,7 +59,8 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     # Draft tokens proposed per step for this request; 0 is plain decoding through the same path.
-    num_speculative_tokens: int = 4
+    # "auto": the engine picks k each step for the batch it runs (auto_k.py).
+    num_speculative_tokens: int | str = 4
 
     def __post_init__(self) -> None:
         self.validate()
@@ -79,15 +81,19 @@ class SamplingParams:
         )
         k = self.num_speculative_tokens
         _check(
-            _is_int(k) and 0 <= k <= MAX_SPECULATIVE_TOKENS,
+            k == AUTO or (_is_int(k) and 0 <= k <= MAX_SPECULATIVE_TOKENS),
             "num_speculative_tokens",
-            f"an integer in [0, {MAX_SPECULATIVE_TOKENS}]",
+            f"an integer in [0, {MAX_SPECULATIVE_TOKENS}] or {AUTO!r}",
             k,
         )
 
     @property
     def greedy(self) -> bool:
         return is_greedy(self.temperature)
+
+    @property
+    def auto_k(self) -> bool:
+        return self.num_speculative_tokens == AUTO
 
 
 @dataclass
@@ -100,8 +106,17 @@ class EngineConfig:
     # attention over holes it saves.
     compact_hole_fraction: float = 0.5
     max_model_len: int = 2048
+    # "auto" rows: k is chosen in 1..auto_k_max each step. A seeded sampled request asking for "auto"
+    # drafts auto_seeded_k instead: its output is reproducible only while its k does not depend on
+    # which requests share its batch (engine._uniforms draws 2·k + 1 uniforms per step).
+    auto_k_max: int = 8
+    auto_seeded_k: int = 4
 
     def __post_init__(self) -> None:
         _check(_is_int(self.max_batch_size) and self.max_batch_size >= 1, "max_batch_size", "an integer >= 1", self.max_batch_size)
         _check(lambda f: 0.0 < f <= 1.0, "compact_hole_fraction", "in (0, 1]", self.compact_hole_fraction)
         _check(_is_int(self.max_model_len) and self.max_model_len >= 2, "max_model_len", "an integer >= 2", self.max_model_len)
+        _check(_is_int(self.auto_k_max) and 1 <= self.auto_k_max <= MAX_SPECULATIVE_TOKENS, "auto_k_max",
+               f"an integer in [1, {MAX_SPECULATIVE_TOKENS}]", self.auto_k_max)
+        _check(_is_int(self.auto_seeded_k) and 0 <= self.auto_seeded_k <= MAX_SPECULATIVE_TOKENS, "auto_seeded_k",
+               f"an integer in [0, {MAX_SPECULATIVE_TOKENS}]", self.auto_seeded_k)

@@ -13,10 +13,11 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from .auto_k import RowView, SpeculationPolicy, calibrate
 from .config import EngineConfig, SamplingParams
 from .kv import BatchKV, make_hole_safe, pad_right
 from .loading import max_positions
@@ -41,6 +42,7 @@ class StepStats:
     draft_time: float  # seconds in draft forwards
     target_time: float  # seconds in the target forward and verification
     prefill_time: float  # seconds prefilling requests that joined before this step
+    auto_k: int | None = None  # the k chosen for this step's "auto" rows (None: no row asked for it)
 
     @property
     def alpha(self) -> float | None:
@@ -64,7 +66,8 @@ def check_state_fits(draft, state: dict[str, torch.Tensor], who: str) -> None:
 
 
 class SpecEngine:
-    def __init__(self, target, draft, tokenizer, config: EngineConfig | None = None, recorder=None):
+    def __init__(self, target, draft, tokenizer, config: EngineConfig | None = None, recorder=None,
+                 policy: SpeculationPolicy | None = None):
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
         for m in (target, draft):
             make_hole_safe(m)
@@ -85,6 +88,14 @@ class SpecEngine:
         self._draft_kv = BatchKV(draft, 0, self.device)
         self._rows: RowState | None = None
         self._ids = itertools.count()
+        # Chooses k for "auto" requests; calibrates each batch size on first use (auto_k.py). Shared
+        # with another engine on the same pair (bench) through policy.fork().
+        self.policy = policy or SpeculationPolicy(self.config.auto_k_max, self._calibrate)
+
+    def _calibrate(self, batch: int):
+        k_max = self.config.auto_k_max
+        context = max(1, min(64, self.max_model_len - k_max - 2))
+        return calibrate(self.target, self.draft, batch, k_max, self.vocab, context)
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(
@@ -98,6 +109,8 @@ class SpecEngine:
         else:
             text, ids = check_prompt(self.tokenizer, self.vocab, self.max_model_len, prompt, params)
         params = fit_max_tokens(params, len(ids), self.max_model_len)
+        if params.auto_k and not params.greedy and params.seed is not None:  # see EngineConfig.auto_seeded_k
+            params = replace(params, num_speculative_tokens=self.config.auto_seeded_k)
         rid = request_id or f"req-{next(self._ids)}"
         gen = None
         if not params.greedy:
@@ -144,14 +157,14 @@ class SpecEngine:
         tkv, dkv = BatchKV(self.target, b, dev), BatchKV(self.draft, b, dev)
         if ids.shape[1]:
             tkv.forward(ids, valid)
-            if any(r.params.num_speculative_tokens for r in new):  # k=0 rows never read the draft
+            if any(r.params.num_speculative_tokens != 0 for r in new):  # k=0 rows never read the draft
                 dkv.forward(ids, valid)
         last = torch.tensor([r.prompt_ids[-1] for r in new], device=dev)
         rows = RowState(
             last=last,
             pending=torch.stack([last, last], 1),
             pending_n=torch.ones(b, dtype=torch.long, device=dev),
-            k=torch.tensor([r.params.num_speculative_tokens for r in new], device=dev),
+            k=torch.zeros(b, dtype=torch.long, device=dev),  # set by each step (step_k)
             temperature=torch.tensor([r.params.temperature for r in new], dtype=torch.float32, device=dev),
             top_k=torch.tensor([r.params.top_k for r in new], device=dev),
             top_p=torch.tensor([r.params.top_p for r in new], dtype=torch.float32, device=dev),
@@ -192,9 +205,11 @@ class SpecEngine:
         if not self.running:
             return [], None
         rows = self._rows
+        auto_k = self._choose_k()
+        t_loop = time.perf_counter()
         # Capped at max_tokens (Request.step_k): the last step then runs fewer draft forwards and, at
         # batch 1, a narrower verification.
-        k_rows = [r.step_k() for r in self.running]
+        k_rows = [r.step_k(auto_k=auto_k) for r in self.running]
         rows.k = torch.tensor(k_rows, device=self.device)  # [B]
         k = max(k_rows)
         u_draft, u_verify = self._uniforms(k_rows)
@@ -217,6 +232,7 @@ class SpecEngine:
             counted.append((a, kr))
             r.proposed += kr
             r.accepted += a
+            r.rejected += a < kr
             r.steps += 1
             before = len(r.output_ids)
             r.append(toks[: a + 1], self.tokenizer, self.eos_ids)
@@ -228,13 +244,25 @@ class SpecEngine:
         rejected = sum(a < kr for a, kr in counted)
         stats = StepStats(
             len(self.running), sum(kr for _, kr in counted), sum(a for a, _ in counted), rejected, acc_pos, prop_pos,
-            emitted, out.draft_time, out.target_time, prefill,
+            emitted, out.draft_time, out.target_time, prefill, auto_k,
         )
         self._drop_finished()
         for kv in (self._target_kv, self._draft_kv):
             if kv.hole_fraction() > self.config.compact_hole_fraction:
                 kv.compact()
+        if auto_k is not None:
+            loop = time.perf_counter() - t_loop - out.draft_time - out.target_time
+            self.policy.observe(stats.batch_size, k, out.draft_time, out.target_time, loop, stats.accepted,
+                                stats.accepted + rejected)
         return deltas, stats
+
+    def _choose_k(self) -> int | None:
+        """The k for this step's "auto" rows (None when no row asked for it)."""
+        if not any(r.params.auto_k for r in self.running):
+            return None
+        views = [RowView(r.params.auto_k, r.k_cap() if r.params.auto_k else r.step_k(), r.accepted,
+                         r.accepted + r.rejected) for r in self.running]
+        return self.policy.choose(views)
 
     # ---- draft hot-swap ---------------------------------------------------------------------------
     def swap_draft(self, state: dict[str, torch.Tensor], version: int) -> None:

@@ -123,6 +123,7 @@ class Request:
     finish_reason: str | None = None
     proposed: int = 0
     accepted: int = 0
+    rejected: int = 0  # steps in which one of its drafts was rejected (tested = accepted + rejected)
     steps: int = 0
     expert: str = "default"  # the draft expert (LoRA adapter) serving it; its records go to that shard
     _sent_ids: int = 0  # how many output ids / chars were already streamed
@@ -144,12 +145,24 @@ class Request:
             self._context = [] if _decode(tokenizer, tail).endswith("\ufffd") else tail
         return self._context
 
-    def step_k(self, emitted: int | None = None) -> int:
+    def step_k(self, emitted: int | None = None, auto_k: int | None = None) -> int:
         """Draft tokens for this request's next step (or for a step once ``emitted`` tokens are out):
-        its k, but never past max_tokens. With n tokens left it emits at most n (accepted + 1), so drafts
-        beyond n - 1 could only be thrown away. So no forward reaches position prompt + max_tokens - 1."""
+        its k (``auto_k``, the engine's choice, for an "auto" request), but never past max_tokens. With
+        n tokens left it emits at most n (accepted + 1), so drafts beyond n - 1 could only be thrown
+        away. So no forward reaches position prompt + max_tokens - 1."""
         emitted = len(self.output_ids) if emitted is None else emitted
-        return min(self.params.num_speculative_tokens, max(self.params.max_tokens - emitted - 1, 0))
+        k = self.params.num_speculative_tokens
+        if self.params.auto_k:
+            if auto_k is None:
+                raise ValueError("num_speculative_tokens: 'auto' is chosen by the colocated engine (SpecEngine), "
+                                 "not here; give an integer")
+            k = auto_k
+        return min(k, self.k_cap(emitted))
+
+    def k_cap(self, emitted: int | None = None) -> int:
+        """The most drafts max_tokens leaves a step any use for (see step_k)."""
+        emitted = len(self.output_ids) if emitted is None else emitted
+        return max(self.params.max_tokens - emitted - 1, 0)
 
     def append(self, new_ids: list[int], tokenizer, eos_ids: set[int]) -> None:
         """Append accepted tokens one by one, stopping at EOS, max_tokens or a stop string."""

@@ -123,6 +123,13 @@ def test_bench_report_is_complete_and_lossless(tiny_pair, tmp_path):
         decode0 = k0["tokens"] / (k0["seconds"] - k0["prefill_seconds"])
         assert s["measured_decode_only_over_analytic"] == pytest.approx(decode / decode0 / s["analytic_speedup_at_best_k"])
         assert s["tokens_over_expected_at_best_k"] == s["per_k"][str(s["best_k"])]["tokens_over_expected"]
+        # k = auto, in the same rounds: its steps chose among the bench's ks, its ratios are of this run
+        a, auto = s["auto"], res[("engine_auto", None)]
+        assert set(a["k_steps"]) <= {"1", "2"} and sum(a["k_steps"].values()) > 0
+        assert a["over_best_k"] == pytest.approx(auto["tokens_per_s"] / s["best_engine_tok_s"])
+        assert a["over_each_k"]["2"] == pytest.approx(auto["tokens_per_s"] / s["per_k"]["2"]["tok_s"])
+        assert 0 <= a["outputs_match_target"] <= 3 and len(auto["round_seconds"]) == 2
+    assert "k = auto" in summary_table(rep, "t")
 
 
 def test_replay_writes_result_and_figure(tiny_pair, tmp_path):
