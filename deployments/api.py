@@ -66,6 +66,26 @@ def classify(prompt: str, cfg: AppConfig) -> str:
     return cfg.default_expert
 
 
+def unknown_model(name: str, served: str) -> RequestError:
+    # OpenAI's own answer to a model it does not have: a 404 with code model_not_found, which clients read
+    return RequestError(f"model: unknown model {name!r}; this server serves {served!r}", "model", 404, "model_not_found")
+
+
+def _unauthorized(request: Request, message: str) -> JSONResponse:
+    """RFC 7235 §3.1: a 401 MUST carry WWW-Authenticate. RFC 6750 §3: a bearer token that was sent and
+    refused is invalid_token; a request with none gets the bare scheme."""
+    challenge = 'Bearer error="invalid_token"' if "authorization" in request.headers else "Bearer"
+    return JSONResponse(RequestError(message, None, 401).body(), 401, headers={"WWW-Authenticate": challenge})
+
+
+def _route_path(scope) -> str:
+    """The path the app's routes match: without the prefix it is mounted under (route_prefix, a Mount),
+    as Starlette's router takes it (starlette._utils.get_route_path), whether or not the server left
+    that prefix in "path"."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root + "/") else path
+
+
 def _authorized(request: Request, key: str | None) -> bool:
     if key is None:
         return True
@@ -104,17 +124,17 @@ def make_app(backend, cfg: AppConfig) -> FastAPI:
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
-        # Deny by default, and match path segments, not a prefix: the app may be mounted under any
-        # route_prefix (e.g. /disagg/v1/...), and only /health is open.
-        parts = request.url.path.rstrip("/").split("/")
-        admin = "admin" in parts
-        if not admin and parts[-1] != "health" and not _authorized(request, cfg.api_key):
-            return JSONResponse(RequestError("missing or wrong API key (Authorization: Bearer ...)", None, 401).body(), 401)
+        # Deny by default; only /health is open. Matched on the route's own path, not on the segments of
+        # the full one: a model id may hold any segment (GET /v1/models/x/health, /v1/models/admin/m).
+        path = _route_path(request.scope).rstrip("/")
+        admin = path == "/admin" or path.startswith("/admin/")
+        if not admin and path != "/health" and not _authorized(request, cfg.api_key):
+            return _unauthorized(request, "missing or wrong API key (Authorization: Bearer ...)")
         if admin:
             if cfg.admin_key is None:  # admin routes exist only when an admin key is configured
-                return JSONResponse({"error": {"message": "admin routes are disabled", "type": "not_found"}}, 404)
+                return JSONResponse(RequestError("admin routes are disabled", None, 404).body(), 404)
             if not _authorized(request, cfg.admin_key):
-                return JSONResponse(RequestError("missing or wrong admin key", None, 401).body(), 401)
+                return _unauthorized(request, "missing or wrong admin key")
         return await call_next(request)
 
     @app.api_route("/health", methods=["GET", "HEAD"])
@@ -130,10 +150,25 @@ def make_app(backend, cfg: AppConfig) -> FastAPI:
             return JSONResponse({"status": "unavailable", "error": why}, 503)
         return {"status": "ok"} | ({"warning": warning} if warning else {})
 
+    # OpenAI's Model requires created; the application's build time, the same on every router replica
+    # (the app is built once and pickled to them).
+    created_at = int(time.time())
+
+    def model_card() -> dict:
+        return {"id": cfg.served_model_name, "object": "model", "created": created_at, "owned_by": "osd-serve",
+                "experts": backend.experts()}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": cfg.served_model_name, "object": "model", "owned_by": "osd-serve",
-                                            "experts": backend.experts()}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name:path}")  # :path, as a hub-style served_model_name holds a slash
+    async def retrieve_model(name: str):
+        if not name:  # /v1/models/ lands here now rather than on the redirect to the list it got
+            return await models()
+        if name != cfg.served_model_name:
+            raise unknown_model(name, cfg.served_model_name)
+        return model_card()
 
     async def _serve(request: Request, chat: bool):
         # Before parsing: a text prompt is capped by max_prompt_chars after parsing, but a list of token
@@ -146,7 +181,7 @@ def make_app(backend, cfg: AppConfig) -> FastAPI:
                 raise RequestError(f"body: more than {limit} bytes (8 per character of max_prompt_chars)", None, 413)
         req = parse_request(bytes(raw), ChatRequest if chat else CompletionRequest)
         if req.model not in (None, cfg.served_model_name):
-            raise RequestError(f"model: unknown model {req.model!r}; this server serves {cfg.served_model_name!r}", "model", 404)
+            raise unknown_model(req.model, cfg.served_model_name)
         # Chat is rendered where the tokenizer lives (the engine replica); the router classifies text.
         prompt = req.message_dicts() if chat else req.prompt
         text = "\n".join(m["content"] for m in prompt) if chat else prompt
@@ -182,6 +217,7 @@ def make_app(backend, cfg: AppConfig) -> FastAPI:
         def usage(n_tok: int) -> dict:
             return {"prompt_tokens": n_prompt, "completion_tokens": n_tok, "total_tokens": n_prompt + n_tok}
 
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
         if req.stream:
             async def events():
                 n, n_tok, failed = 0, 0, None
@@ -192,13 +228,14 @@ def make_app(backend, cfg: AppConfig) -> FastAPI:
                             failed = engine_failed()
                             break
                         if d["text"] or d["finished"] or n == 0:
-                            yield sse(chunk_body(rid, model, d["text"], d["finish_reason"] if d["finished"] else None, chat, created, n == 0))
+                            yield sse(chunk_body(rid, model, d["text"], d["finish_reason"] if d["finished"] else None, chat, created,
+                                                 n == 0, include_usage))
                             n += 1
                 except Exception as e:  # noqa: BLE001  a replica died mid-stream: the stream was cut with no end
                     failed = engine_failed(e)
                 if failed is not None:
                     yield sse(failed.body())
-                elif req.stream_options is not None and req.stream_options.include_usage:
+                elif include_usage:
                     yield sse(usage_chunk(rid, model, usage(n_tok), chat, created))
                 yield sse("[DONE]")
 

@@ -230,13 +230,13 @@ def prepare_prompt(tokenizer, vocab: int, max_model_len: int, prompt, params: Sa
 class RequestError(ValueError):
     """A bad request: becomes an HTTP 400 with OpenAI's error shape, naming ``param``."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400):
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
         super().__init__(message)
-        self.param, self.status = param, status
+        self.param, self.status, self.code = param, status, code
 
     def body(self) -> dict:
         kind = {401: "authentication_error", 500: "server_error"}.get(self.status, "invalid_request_error")
-        return {"error": {"message": str(self), "type": kind, "param": self.param, "code": None}}
+        return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}
 
 
 class _NotJSON(ValueError):
@@ -337,7 +337,10 @@ _FIELD_NAMES = {n for m in (CompletionRequest, ChatRequest, ChatMessage, StreamO
 
 def completion_body(rid: str, model: str, text: str, finish: str | None, usage: dict, chat: bool, created: int) -> dict:
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+        # OpenAI's schema requires the choice's logprobs and the message's refusal (nullable, not optional):
+        # clients typed from it (openapi-generator's Rust) refused an answer without them ("missing field")
+        message = {"role": "assistant", "content": text, "refusal": None}
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
         return {"id": rid, "object": "chat.completion", "created": created, "model": model,
                 "choices": [choice], "usage": usage}
     choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
@@ -345,13 +348,17 @@ def completion_body(rid: str, model: str, text: str, finish: str | None, usage: 
             "choices": [choice], "usage": usage}
 
 
-def chunk_body(rid: str, model: str, text: str, finish: str | None, chat: bool, created: int, first: bool = False) -> dict:
+def chunk_body(rid: str, model: str, text: str, finish: str | None, chat: bool, created: int, first: bool = False,
+               include_usage: bool = False) -> dict:
+    """include_usage: the stream ends with usage_chunk, and OpenAI's other chunks then carry "usage": null."""
     if chat:
         delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text or not finish else {})
-        choice = {"index": 0, "delta": delta, "finish_reason": finish}
-        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        body = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
+    return body | ({"usage": None} if include_usage else {})
 
 
 def usage_chunk(rid: str, model: str, usage: dict, chat: bool, created: int) -> dict:

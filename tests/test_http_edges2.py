@@ -1,0 +1,118 @@
+"""More edges of the HTTP API's OpenAI compatibility, over the scripted backend of test_http_edges (no
+model, no Ray): the shapes OpenAI's schema requires of an answer, which typed clients generated from
+it (openapi-generator's Rust, Java...) refuse to parse when a required field is missing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from deployments.api import make_app
+from deployments.config import AppConfig
+from tests.test_http_edges import ADMIN, AUTH, Scripted, _post
+
+CHAT = {"messages": [{"role": "user", "content": "x"}]}
+
+
+@pytest.fixture
+def client():
+    cfg = AppConfig(wandb={"mode": "disabled"}, api_key="sk-test", admin_key="admin-test", served_model_name="org/m-1")
+    return TestClient(make_app(Scripted(), cfg), raise_server_exceptions=False)
+
+
+def _events(client, path, body):
+    with client.stream("POST", path, headers=AUTH, json=body | {"stream": True}) as s:
+        lines = [ln[6:] for ln in s.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(e) for e in lines[:-1]]
+
+
+def test_a_model_entry_has_openais_required_fields_and_can_be_retrieved(client):
+    """OpenAI's Model requires id, object, created and owned_by; created was missing. GET
+    /v1/models/{model} (the openai client's models.retrieve) was a 404 for the served model."""
+    r = client.get("/v1/models", headers=AUTH)
+    card = r.json()["data"][0]
+    assert {"id", "object", "created", "owned_by"} <= card.keys(), card
+    assert card["id"] == "org/m-1" and isinstance(card["created"], int) and card["created"] > 1_600_000_000
+    r = client.get("/v1/models/org/m-1", headers=AUTH)  # a hub-style name holds a slash
+    assert r.status_code == 200 and r.json() == card, r.text
+    r = client.get("/v1/models/other", headers=AUTH)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+    assert client.get("/v1/models/org/m-1").status_code == 401  # retrieving is behind the key too
+    assert client.get("/v1/models/", headers=AUTH).json()["data"] == [card]  # the list, as its redirect gave
+
+
+@pytest.mark.parametrize("name", ["x/health", "admin/m", "health"])
+def test_only_the_health_route_itself_is_open(name):
+    """Auth read path segments: a last segment "health" was open and an "admin" segment anywhere took
+    the admin key. With GET /v1/models/{id} that opened /v1/models/x/health to anyone; only the route
+    /health itself is open, under a prefix too."""
+    from fastapi import FastAPI
+
+    cfg = AppConfig(wandb={"mode": "disabled"}, api_key="sk-test", admin_key="admin-test", served_model_name=name)
+    app = make_app(Scripted(), cfg)
+    outer = FastAPI()
+    outer.mount("/disagg", app)
+    for served, root in ((app, ""), (outer, "/disagg")):
+        c = TestClient(served, raise_server_exceptions=False)
+        assert c.get(f"{root}/v1/models/{name}").status_code == 401
+        assert c.get(f"{root}/v1/models/{name}", headers=AUTH).json()["id"] == name
+        assert c.get(f"{root}/health").status_code == 200 and c.get(f"{root}/health/").status_code == 200
+        assert c.get(f"{root}/admin/experts", headers=AUTH).status_code == 401
+        assert c.get(f"{root}/admin/experts", headers=ADMIN).status_code == 500  # past auth: Scripted's replica is gone
+
+
+def test_an_unknown_model_is_openais_model_not_found(client):
+    """OpenAI answers an unknown model with a 404 whose code is model_not_found (clients such as LiteLLM
+    read the code); the code was null."""
+    r = _post(client, "/v1/completions", {"prompt": "x", "model": "gpt-4"})
+    assert r.status_code == 404
+    err = r.json()["error"]
+    assert err["code"] == "model_not_found" and err["type"] == "invalid_request_error", err
+
+
+@pytest.mark.parametrize("path,headers,challenge", [
+    ("/v1/completions", {}, "Bearer"),
+    ("/v1/completions", {"Authorization": "Bearer wrong"}, 'Bearer error="invalid_token"'),
+    ("/admin/experts", AUTH, 'Bearer error="invalid_token"'),  # the API key is not the admin key
+])
+def test_a_401_says_which_scheme_it_wants(client, path, headers, challenge):
+    """RFC 7235 §3.1 and RFC 6750 §3: a 401 MUST carry WWW-Authenticate naming the scheme; a token that
+    was sent and refused is invalid_token. The header was missing."""
+    r = client.request("POST" if path.startswith("/v1") else "GET", path, headers=headers, json={"prompt": "x"})
+    assert r.status_code == 401 and r.headers.get("www-authenticate") == challenge, r.headers
+    assert r.json()["error"]["type"] == "authentication_error"
+
+
+def test_disabled_admin_routes_answer_in_openais_error_shape():
+    """Without an admin key the 404 was {"error": {"message", "type": "not_found"}}: no param or code,
+    and a type no other answer of this server uses."""
+    client = TestClient(make_app(Scripted(), AppConfig(wandb={"mode": "disabled"})))
+    r = client.get("/admin/experts")
+    assert r.status_code == 404
+    assert r.json() == {"error": {"message": "admin routes are disabled", "type": "invalid_request_error",
+                                  "param": None, "code": None}}
+
+
+def test_a_chat_completion_has_the_fields_openai_requires():
+    """OpenAI's chat choice requires logprobs and its message requires refusal (both nullable); a client
+    typed from the schema (openapi-generator's Rust: "missing field `refusal`") refused the answer."""
+    cfg = AppConfig(wandb={"mode": "disabled"})
+    body = _post(TestClient(make_app(Scripted(), cfg)), "/v1/chat/completions", CHAT).json()
+    choice = body["choices"][0]
+    assert choice["logprobs"] is None and choice["finish_reason"] == "length", choice
+    assert choice["message"] == {"role": "assistant", "content": "abc", "refusal": None}
+
+
+@pytest.mark.parametrize("path,body", [("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", CHAT)])
+def test_with_include_usage_every_chunk_carries_usage(client, path, body):
+    """OpenAI: with include_usage "all other chunks will also include a usage field, but with a null
+    value"; they had none. Without it no chunk has the field."""
+    chunks = _events(client, path, body | {"stream_options": {"include_usage": True}})
+    assert [c["usage"] for c in chunks[:-1]] == [None] * (len(chunks) - 1) and len(chunks) == 3, chunks
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] == 6
+    assert all("usage" not in c for c in _events(client, path, body))
+    if path.endswith("chat/completions"):  # a chunk's choice carries logprobs as the completion's does
+        assert all(c["choices"][0]["logprobs"] is None for c in chunks[:-1])
