@@ -33,7 +33,9 @@ def _check(cond, field_name: str, allowed: str, value: object) -> None:
     if callable(cond):
         cond = _is_number(value) and cond(value)
     if not cond:
-        raise ValueError(f"{field_name} must be {allowed}, got {value!r}")
+        shown = repr(value)
+        shown = shown if len(shown) <= 200 else f"{shown[:200]}... ({len(shown)} characters)"  # not a 500 KB stop list back
+        raise ValueError(f"{field_name} must be {allowed}, got {shown}")
 
 
 def _is_int(v: object) -> bool:

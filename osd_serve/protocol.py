@@ -186,7 +186,10 @@ class ChatMessage(_Strict):
     def as_dict(self) -> dict:
         parts = [self.content or ""] if not isinstance(self.content, list) else [p.text for p in self.content]
         text = "".join(parts)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        # name goes to the chat template, as vLLM passes it (templates that know it render it; the rest
+        # ignore it): dropped here it was a field accepted and silently ignored
+        named = {"name": self.name} if self.name is not None else {}
+        return {"role": "system" if self.role == "developer" else self.role, "content": text} | named
 
 
 class ChatRequest(_Sampling):

@@ -116,3 +116,24 @@ def test_with_include_usage_every_chunk_carries_usage(client, path, body):
     assert all("usage" not in c for c in _events(client, path, body))
     if path.endswith("chat/completions"):  # a chunk's choice carries logprobs as the completion's does
         assert all(c["choices"][0]["logprobs"] is None for c in chunks[:-1])
+
+
+def test_a_messages_name_reaches_the_chat_template():
+    """name was accepted and dropped; vLLM hands it to the template, which renders it where it knows it."""
+    from osd_serve.protocol import ChatRequest, render_chat
+    from tests.conftest import char_tokenizer
+
+    req = ChatRequest.model_validate({"messages": [{"role": "user", "content": "hi", "name": "ann"}]})
+    assert req.message_dicts() == [{"role": "user", "content": "hi", "name": "ann"}]
+    tok = char_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m.get('name', '?') }}:{{ m.content }}\n{% endfor %}"
+    assert tok.decode(render_chat(req.message_dicts(), tok)) == "ann:hi\n"
+
+
+def test_a_long_bad_value_is_not_echoed_whole():
+    """17 stop strings of 30 KB each came back whole in the 400 (580 KB)."""
+    from osd_serve.config import SamplingParams
+
+    with pytest.raises(ValueError, match="stop") as e:
+        SamplingParams(stop=["x" * 30_000] * 17)
+    assert len(str(e.value)) < 400 and "characters)" in str(e.value)
