@@ -122,7 +122,8 @@ class AppConfig(_Strict):
     experts: list[ExpertConfig] = [ExpertConfig(name="default")]
     default_expert: str = "default"
     max_batch_size: int = Field(8, ge=1, le=256)
-    num_speculative_tokens: int = Field(4, ge=0, le=16)
+    # "auto": the engine picks k each step for the batch it runs (osd_serve/auto_k.py); colocated only
+    num_speculative_tokens: Annotated[int, Field(ge=0, le=16)] | Literal["auto"] = 4
     max_model_len: int = Field(2048, ge=16)
     # Longer prompts are refused before they are tokenized (a 12 MB prompt took 30 s to encode).
     # None: 32 characters per token of max_model_len, far more than any tokenizer's text needs.
@@ -166,6 +167,9 @@ class AppConfig(_Strict):
             raise ValueError(f"experts: names must be unique, got {names}")
         if self.default_expert not in names:
             raise ValueError(f"default_expert: {self.default_expert!r} is not one of the experts {names}")
+        if self.topology == "disaggregated" and self.num_speculative_tokens == "auto":
+            raise ValueError("num_speculative_tokens: 'auto' needs the colocated topology (its engine times the "
+                             "draft and the target of each step together); give an integer")
         if self.topology == "disaggregated" and self.distill.enabled and self.distill.backend != "ray_train":
             raise ValueError("distill.backend: the disaggregated topology distils with backend ray_train (no "
                              "replica holds both models to train beside); set it, or distill.enabled: false")

@@ -285,6 +285,8 @@ class DisaggBackend:
     async def stream(self, expert: str, prompt, params: SamplingParams):
         from osd_serve.protocol import prepare_prompt
 
+        if params.auto_k:  # before any setup: a 400 naming the field, as AppConfig refuses it for the server
+            raise ValueError("num_speculative_tokens: 'auto' needs the colocated topology; give an integer")
         await self._ensure_ready()
         t0 = time.perf_counter()
         # in a thread: a long prompt takes seconds to encode, which would stall this router's event loop

@@ -93,7 +93,8 @@ class _Sampling(_Strict):
     seed: int | None = Field(None, ge=SEED_RANGE[0], lt=SEED_RANGE[1])
     user: str | None = None
     expert: str | None = Field(None, min_length=1)  # "" would fall through to the classifier unnoticed
-    num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_SPECULATIVE_TOKENS)
+    # None: the server's num_speculative_tokens; "auto": the engine picks k each step (colocated topology)
+    num_speculative_tokens: Annotated[int, Field(ge=0, le=MAX_SPECULATIVE_TOKENS)] | Literal["auto"] | None = None
     ignore_eos: bool = False
     # _UNIMPLEMENTED: accepted at their neutral values only
     frequency_penalty: float = 0.0
@@ -113,7 +114,7 @@ class _Sampling(_Strict):
     def _limit(self) -> int | None:
         return self.max_tokens
 
-    def sampling_params(self, default_k: int, default_max_tokens: int | None = 16) -> SamplingParams:
+    def sampling_params(self, default_k: int | str, default_max_tokens: int | None = 16) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         k = default_k if self.num_speculative_tokens is None else self.num_speculative_tokens
         return SamplingParams(
@@ -315,7 +316,8 @@ def validation_error(errors: list[dict]) -> RequestError:
     members = [e["loc"][len(loc)] for e in errors if list(e["loc"][: len(loc)]) == loc and len(e["loc"]) > len(loc)]
     if param and len(members) > 1 and len(loc) < len(err["loc"]):
         kinds = dict.fromkeys(str(m).replace("constrained-int", "int >= 0") for m in members)
-        return RequestError(f"{param}: must be one of {', '.join(kinds)}", param)
+        # with the first member's own complaint: "int >= 0" alone hid num_speculative_tokens' upper bound
+        return RequestError(f"{param}: must be one of {', '.join(kinds)} ({err['msg']})", param)
     msg = err["msg"].removeprefix("Value error, ")  # our validators' own words
     return RequestError(f"{param}: {msg}" if param else msg, param)
 

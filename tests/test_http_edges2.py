@@ -137,3 +137,37 @@ def test_a_long_bad_value_is_not_echoed_whole():
     with pytest.raises(ValueError, match="stop") as e:
         SamplingParams(stop=["x" * 30_000] * 17)
     assert len(str(e.value)) < 400 and "characters)" in str(e.value)
+
+
+def test_num_speculative_tokens_auto_reaches_the_engine_and_other_strings_are_400():
+    backend = Scripted()
+    cfg = AppConfig(wandb={"mode": "disabled"}, api_key="sk-test", num_speculative_tokens="auto")
+    c = TestClient(make_app(backend, cfg), raise_server_exceptions=False)
+    assert c.post("/v1/completions", headers=AUTH, json={"prompt": "x"}).status_code == 200
+    assert c.post("/v1/completions", headers=AUTH, json={"prompt": "x", "num_speculative_tokens": 2}).status_code == 200
+    assert [p.num_speculative_tokens for p in backend.params] == ["auto", 2]  # the server's default, then the request's
+    for bad in ("fast", "4", 17, -1, True):
+        r = c.post("/v1/completions", headers=AUTH, json={"prompt": "x", "num_speculative_tokens": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "num_speculative_tokens", (bad, r.text)
+    r = c.post("/v1/completions", headers=AUTH, json={"prompt": "x", "num_speculative_tokens": 17})
+    assert "less than or equal to 16" in r.json()["error"]["message"]  # the bound, not only "int >= 0"
+
+
+def test_auto_is_refused_where_no_engine_times_the_whole_step():
+    """Disaggregated, the draft and the target run in separate deployments: refused in the config, and
+    per request with a 400 naming the field (before the backend sets anything up)."""
+    import asyncio
+
+    pytest.importorskip("ray")
+    from deployments.disagg import DisaggBackend
+    from osd_serve.config import SamplingParams
+
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        AppConfig(topology="disaggregated", distill={"backend": "ray_train"}, num_speculative_tokens="auto")
+    backend = DisaggBackend(AppConfig(wandb={"mode": "disabled"}, topology="disaggregated", distill={"enabled": False}))
+
+    async def first():
+        return await backend.stream("default", "x", SamplingParams(num_speculative_tokens="auto")).__anext__()
+
+    with pytest.raises(ValueError, match="^num_speculative_tokens"):
+        asyncio.run(first())
