@@ -145,6 +145,9 @@ class Telemetry:
             w["tested"] += st.accepted + st.rejected
             w["emitted"] += st.emitted
             w["rows"] += st.batch_size
+            if (k := getattr(st, "auto_k", None)) is not None:  # the k "auto" chose (the disaggregated steps have none)
+                w["auto_steps"] += 1
+                w["auto_k"] += k
             for j, (a, p) in enumerate(zip(st.accepted_per_position, st.proposed_per_position)):
                 self._pos[expert][j][0] += a
                 self._pos[expert][j][1] += p
@@ -182,6 +185,9 @@ class Telemetry:
                         self.prom.rate.set(w["accepted"] / w["proposed"], tags={"expert": e})
                 if w["rows"]:
                     row[f"tokens_per_step/{e}"] = w["emitted"] / w["rows"]
+                    row[f"batch_size/{e}"] = w["rows"] / w["steps"]
+                if w["auto_steps"]:
+                    row[f"auto_k/{e}"] = w["auto_k"] / w["auto_steps"]
                 for j, (a, p) in enumerate(self._pos[e]):
                     if p:
                         row[f"alpha_pos/{e}/{j}"] = a / p

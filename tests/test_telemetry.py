@@ -150,3 +150,14 @@ def test_a_dead_wandb_service_does_not_fail_steps_or_shutdown():
     t.run = DeadRun()
     t.close()  # run.finish() raised out of the replica's shutdown
     assert t.run is None
+
+
+def test_a_window_reports_the_batch_and_the_k_auto_chose():
+    from osd_serve.engine import StepStats
+
+    t = Telemetry("disabled", log_every_s=3600.0)
+    for k, rows in ((1, 8), (3, 2), (None, 4)):  # None: a step with no "auto" row
+        t.on_step("default", StepStats(rows, 0, 0, 0, [], [], rows, 0.0, 0.0, 0.0, k))
+    row = t.maybe_log(force=True)
+    assert row["auto_k/default"] == 2.0 and row["batch_size/default"] == pytest.approx(14 / 3)
+    t.close()
