@@ -92,8 +92,8 @@ class Costs:
         return self.target[last] + (k - last) * max(self.target[last] - self.target[last - 1] if last else 0.0, 0.0)
 
 
-def calibrate(target, draft, batch: int, k_max: int, vocab: int, context: int, repeats: int = 3) -> Costs:
-    """Costs at ``batch`` rows, each the fastest of ``repeats`` forwards after one warm-up: the fastest,
+def calibrate(target, draft, batch: int, widths: int, vocab: int, context: int, repeats: int = 3) -> Costs:
+    """Costs at ``batch`` rows, target widths 1..``widths`` on ``context`` tokens, each the fastest of ``repeats`` forwards after one warm-up: the fastest,
     since another process on the cores only ever slows a forward, and the per-step rescaling in
     SpeculationPolicy takes care of the level; what the choice needs from here is the shape over w."""
     device = next(target.parameters()).device
@@ -103,7 +103,7 @@ def calibrate(target, draft, batch: int, k_max: int, vocab: int, context: int, r
         timed_forward(kv, tokens, vocab)
         return min(timed_forward(kv, tokens, vocab) for _ in range(repeats))
 
-    return Costs(fastest(dkv, 1), [fastest(tkv, w) for w in range(1, k_max + 2)])
+    return Costs(fastest(dkv, 1), [fastest(tkv, w) for w in range(1, widths + 1)])
 
 
 @dataclass

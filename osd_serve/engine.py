@@ -93,9 +93,11 @@ class SpecEngine:
         self.policy = policy or SpeculationPolicy(self.config.auto_k_max, self._calibrate)
 
     def _calibrate(self, batch: int):
-        k_max = self.config.auto_k_max
-        context = max(1, min(64, self.max_model_len - k_max - 2))
-        return calibrate(self.target, self.draft, batch, k_max, self.vocab, context)
+        # context + the widest verification within the pair's positions (GPT-2's are learned: no room
+        # past them); a model too short for k_max + 1 columns gets fewer, and Costs extends them
+        k_max, n = self.config.auto_k_max, self.max_model_len
+        context = max(1, min(64, n - k_max - 2))
+        return calibrate(self.target, self.draft, batch, max(1, min(k_max + 1, n - context - 1)), self.vocab, context)
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(

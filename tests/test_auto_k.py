@@ -191,3 +191,19 @@ def test_sampled_auto_output_follows_target(models, monkeypatch):  # noqa: F811
     outs = eng.generate([PROMPT] * 6000, params)
     stat, df = _chi2(histogram(o.token_ids for o in outs), _exact(target, params))
     assert stat < _chi2_critical(df), f"chi2={stat:.1f} over {df} dof"
+
+
+def test_calibration_stays_within_a_short_models_positions(tok):
+    """GPT-2's positions are learned: a calibration past them would index out of its embedding."""
+    from tests.conftest import gpt2, perturbed
+
+    target = gpt2(len(tok), seed=0)
+    target.config.n_positions = 8  # what max_positions reads; the embedding is longer, so check positions by hand
+    eng = SpecEngine(target, perturbed(target, 0.015), tok, EngineConfig(max_batch_size=2, auto_k_max=8))
+    seen = []
+    real = eng.target.forward
+    eng.target.forward = lambda *a, **kw: (seen.append(int(kw["position_ids"].max()) if kw.get("position_ids") is not None
+                                                        else None), real(*a, **kw))[1]
+    costs = eng.policy.cost(2)
+    assert len(costs.target) < 9 and costs.target_at(8) > 0
+    assert max(p for p in seen if p is not None) < 8
