@@ -21,7 +21,6 @@ greedy continuations soon repeat short lines (`#`, empty docstrings), which a dr
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hashlib
 import json
@@ -37,6 +36,8 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
+
+from .cache_dir import build_lock, umask as _umask
 
 # Bumped whenever the recipe changes so stale caches are rebuilt rather than trusted.
 BUILD_VERSION = 3
@@ -143,7 +144,7 @@ PRESETS: dict[str, PairConfig] = {
 PRESETS["osd"] = replace(PRESETS["default"], draft_train=TrainSchedule(steps=60, batch=8, lr=3e-3, warmup=10),
                          draft_distill=None)
 
-from .corpus import load_corpus, make_prompts, split_heldout  # noqa: E402  (corpus reading lives in corpus.py)
+from .corpus import check_data_type, load_corpus, make_prompts, split_heldout  # noqa: E402  (corpus reading lives in corpus.py)
 from .lm_train import eval_loss, greedy_acceptance, greedy_continuations, train_lm, use_bf16_autocast  # noqa: E402
 
 
@@ -203,20 +204,6 @@ def make_model(dims: ModelDims, cfg: PairConfig, tokenizer, seed: int):
             layer.mlp.down_proj.weight.zero_()
     model.generation_config = GenerationConfig(**special)
     return model
-
-
-def _umask() -> int:
-    """The process umask, read without setting it where Linux allows (os.umask is process-wide: setting
-    it, even for an instant, races with files other threads create)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except OSError:
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 def _default_root() -> Path:
@@ -367,6 +354,7 @@ def build_pair(data_files: list[str] | None = None, out_root: str | None = None,
     for p in data_files or []:
         if not os.path.isfile(p):
             raise FileNotFoundError(f"data file not found (or not a regular file): {p}")
+        check_data_type(p)  # here, not when its turn to be read comes: after hashing every file before it
     # Absolute: the printed paths are read from other directories (a Ray replica, another shell).
     root = (Path(out_root) if out_root else _default_root()).expanduser().resolve()
     final = root / _cache_name(data_files, preset, cfg)
@@ -379,6 +367,15 @@ def build_pair(data_files: list[str] | None = None, out_root: str | None = None,
         return _paths(same)
 
     root.mkdir(parents=True, exist_ok=True)
+    with build_lock(root):
+        if not force and _is_complete(final, cfg):  # the build this call waited for
+            return _paths(final)
+        _build_and_publish(root, final, data_files, cfg, preset, force)
+    return _paths(final)
+
+
+def _build_and_publish(root: Path, final: Path, data_files: list[str] | None, cfg: PairConfig, preset: str,
+                       force: bool) -> None:
     _sweep_stale_tmp(root)
     # Built beside its final place (same filesystem) so os.replace is one atomic rename; a
     # crash leaves only a .tmp-* directory that never carries the marker.
@@ -392,7 +389,7 @@ def build_pair(data_files: list[str] | None = None, out_root: str | None = None,
         (tmp / "PID").unlink()
         (tmp / COMPLETE_MARKER).write_text("ok\n")  # last: its presence means everything else is
         if not force and _is_complete(final, cfg):
-            return _paths(final)  # a concurrent build of the same inputs finished first; as good as ours
+            return  # a concurrent build of the same inputs finished first; as good as ours
         # Renames only, so a finished build is never half deleted in place: the old one moves aside
         # (it still carries its marker, but under a .tmp- name nothing looks up), this one moves in.
         old = root / f".tmp-{final.name}-old-{os.getpid()}-{time.time_ns()}"
@@ -409,7 +406,6 @@ def build_pair(data_files: list[str] | None = None, out_root: str | None = None,
             shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return _paths(final)
 
 
 def _build_into(out: Path, data_files: list[str] | None, cfg: PairConfig, preset: str) -> dict:
@@ -476,24 +472,7 @@ def _build_into(out: Path, data_files: list[str] | None, cfg: PairConfig, preset
     }
 
 
-# ----------------------------------------------------------------------------- CLI helpers
+if __name__ == "__main__":  # its own parser here printed tracebacks and a JSON whose last line was "}"
+    from .cli import main as _cli_main
 
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data", nargs="+", metavar="FILE", default=None,
-                        help="train on these .txt/.jsonl/.jsonl.gz/.json files instead of the stdlib")
-    parser.add_argument("--out", default=None, help="output root (default $OSD_SERVE_HOME or ~/.cache/osd-serve)")
-    parser.add_argument("--force", action="store_true", help="rebuild even if a complete build is cached")
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="default")
-
-
-def main(args: argparse.Namespace) -> int:
-    paths = build_pair(args.data, args.out, args.force, args.preset)
-    print(json.dumps(paths, indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(_parser)
-    raise SystemExit(main(_parser.parse_args()))
+    _cli_main(["bootstrap", *sys.argv[1:]])

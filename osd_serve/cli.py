@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
 
-from .config import MAX_SPECULATIVE_TOKENS, SEED_RANGE
+from .config import AUTO, MAX_SPECULATIVE_TOKENS, SEED_RANGE
 
 
 def _at_least(lo: int, at_most: int | None = None):
@@ -25,6 +27,15 @@ def _at_least(lo: int, at_most: int | None = None):
         return v
     parse.__name__ = f"integer >= {lo}" if at_most is None else f"integer in [{lo}, {at_most}]"
     return parse
+
+
+def _k_or_auto(text: str) -> int | str:
+    """generate's --num-speculative-tokens: the engine takes "auto" too (auto_k.py); int alone refused it,
+    while the error for 17 offered it."""
+    return AUTO if text == AUTO else _at_least(0, MAX_SPECULATIVE_TOKENS)(text)
+
+
+_k_or_auto.__name__ = f"integer in [0, {MAX_SPECULATIVE_TOKENS}] or {AUTO!r}"
 
 
 def _batch_sizes(text: str) -> list[int]:
@@ -44,19 +55,37 @@ def _writable(path: str | None) -> None:
         raise SystemExit(f"error: --out {path} is a directory: give a file path")
     if not Path(path).resolve().parent.is_dir():
         raise SystemExit(f"error: --out {path}: directory {Path(path).resolve().parent} does not exist")
+    # An existing parent is not a writable one (a read-only mount, /proc, a file without write
+    # permission): only opening the file tells, and the run used to learn it after all its work.
+    existed = os.path.lexists(path)
+    if existed and not os.path.isfile(path):  # a FIFO's reader would take the probe's close for the end
+        return
+    try:
+        with open(path, "a", encoding="utf-8"):  # "a": an existing file keeps its contents until the run writes
+            pass
+    except OSError as e:
+        raise SystemExit(f"error: --out {path}: cannot write there ({e.strerror or e})") from None
+    if not existed:  # a run that fails before it writes leaves no empty file behind
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 def _read_numbered(path: str, field: str = "prompt") -> list[tuple[int, str]]:
     """[(line number, prompt)]: errors found later (a prompt too long for the pair) name the line."""
     prompts = []
-    # utf-8-sig: an editor's BOM is not part of the first record (as replay and bootstrap read files)
-    with open(path, encoding="utf-8-sig") as f:
-        try:
-            for n, line in enumerate(f, 1):
+    try:
+        # Bytes, decoded line by line: a text stream decodes 8 KB blocks, so its error named no line.
+        with open(path, "rb") as f:
+            for n, raw in enumerate(f, 1):
+                try:
+                    # utf-8-sig: an editor's BOM is not part of the first record (as replay and bootstrap read files)
+                    line = raw.decode("utf-8-sig" if n == 1 else "utf-8")
+                except UnicodeDecodeError as e:
+                    raise SystemExit(f"error: {path}: not UTF-8 text (line {n}: {e.reason})") from None
                 if line.strip():
                     prompts.append((n, _prompt_field(line, path, n, field)))
-        except UnicodeDecodeError as e:
-            raise SystemExit(f"error: {path}: not UTF-8 text ({e.reason})") from None
+    except OSError as e:  # missing, a directory, unreadable: said as the file's problem, not errno's
+        raise SystemExit(f"error: prompts file {path}: {e.strerror or e}") from None
     if not prompts:
         raise SystemExit(f"error: {path} holds no prompts")
     return prompts
@@ -69,6 +98,10 @@ def _prompt_field(line: str, path: str, n: int, field: str) -> str:
         raise SystemExit(f"error: {path}:{n}: not valid JSON ({e.msg})")
     if not isinstance(rec, dict) or not isinstance(rec.get(field), str):
         raise SystemExit(f"error: {path}:{n}: expected an object with a string field {field!r}")
+    try:
+        rec[field].encode("utf-8")
+    except UnicodeEncodeError as e:  # a JSON "\\ud800" escape: the tokenizer refused it after the load, naming no cause
+        raise SystemExit(f"error: {path}:{n}: {field!r} is not text (a lone {rec[field][e.start]!r} escape)") from None
     return rec[field]
 
 
@@ -114,6 +147,8 @@ def _load(args):
 def cmd_bootstrap(args) -> None:
     from .bootstrap import build_pair
 
+    if args.out and os.path.exists(args.out) and not os.path.isdir(args.out):  # mkdir's "File exists" named no option
+        raise SystemExit(f"error: --out {args.out} is not a directory")
     pair = build_pair(data_files=args.data, out_root=args.out, force=args.force, preset=args.preset)
     print(json.dumps({"target": pair["target"], "draft": pair["draft"]}))
 
@@ -125,15 +160,21 @@ def cmd_generate(args) -> None:
     from .engine import SpecEngine
 
     _writable(args.out)
+    if args.out and os.path.exists(args.out) and os.path.isfile(args.prompts) and os.path.samefile(args.out, args.prompts):
+        raise SystemExit(f"error: --out {args.out} is the --prompts file: the completions would replace the prompts")
     numbered = _read_numbered(args.prompts)
     _check_seed_range(args.seed, len(numbered))
-    target, draft, tok = _load(args)
-    try:
+    try:  # before the load: a bad --temperature waited for the pair to load (a minute for a 7B one)
         params = SamplingParams(
             max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
             seed=args.seed, num_speculative_tokens=args.num_speculative_tokens,
         )
-        engine = SpecEngine(target, draft, tok, EngineConfig(max_batch_size=args.batch_size))
+        engine_cfg = EngineConfig(max_batch_size=args.batch_size)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
+    target, draft, tok = _load(args)
+    try:
+        engine = SpecEngine(target, draft, tok, engine_cfg)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
     reqs = []
@@ -143,29 +184,71 @@ def cmd_generate(args) -> None:
             reqs += engine.submit([prompt], replace(params, seed=seed))
         except ValueError as e:  # e.g. too long for the pair: which of the file's prompts
             raise SystemExit(f"error: {args.prompts}:{n}: {e}")
+    sink = _Lines(args.out)
     bar = tqdm(total=len(reqs), desc="generate", unit="prompt", file=sys.stderr)
-    done = 0
-    while engine.has_unfinished():
-        engine.step()
-        now = sum(r.finished for r in reqs)
-        bar.update(now - done)
-        done = now
-    bar.close()
-    lines = []
-    for r in reqs:
-        c = r.completion()
-        rec = {"prompt": c.prompt, "text": c.text, "token_ids": c.token_ids, "proposed": c.proposed, "accepted": c.accepted, "finish_reason": c.finish_reason}
-        lines.append(json.dumps(rec))
-    if not args.out:
-        print("\n".join(lines))
-        return
     try:
-        Path(args.out).write_text("\n".join(lines) + "\n", encoding="utf-8")
-    except OSError:  # a full disk after the whole run: the completions go to stdout, not nowhere
-        print("\n".join(lines))
-        raise
-    total_p, total_a = sum(r.proposed for r in reqs), sum(r.accepted for r in reqs)
-    print(json.dumps({"out": args.out, "prompts": len(reqs), "acceptance": total_a / total_p if total_p else None}))
+        while engine.has_unfinished():
+            engine.step()
+            # Written in prompt order as soon as they are done: a run stopped halfway (Ctrl-C, a crash)
+            # used to lose every completion, since all were written after the last one finished.
+            while sink.count < len(reqs) and reqs[sink.count].finished:
+                sink.write(_completion_line(reqs[sink.count]))
+                bar.update(1)
+        for r in reqs[sink.count :]:  # any the engine finished outside a step: one line per prompt, always
+            sink.write(_completion_line(r))
+    except KeyboardInterrupt:
+        bar.close()
+        print(f"interrupted: {sink.count} of {len(reqs)} completions written"
+              f"{f' to {args.out}' if args.out and not sink.failed else ''}", file=sys.stderr)
+        raise SystemExit(130) from None
+    finally:
+        sink.close()
+    bar.close()
+    if sink.failed:
+        raise SystemExit(f"error: --out {args.out}: {sink.failed} (the completions went to stdout)")
+    if args.out:
+        total_p, total_a = sum(r.proposed for r in reqs), sum(r.accepted for r in reqs)
+        print(json.dumps({"out": args.out, "prompts": len(reqs), "acceptance": total_a / total_p if total_p else None}))
+
+
+def _completion_line(r) -> str:
+    c = r.completion()
+    return json.dumps({"prompt": c.prompt, "text": c.text, "token_ids": c.token_ids, "proposed": c.proposed,
+                       "accepted": c.accepted, "finish_reason": c.finish_reason})
+
+
+class _Lines:
+    """generate's output: --out (or stdout), a line at a time and flushed, so what finished is kept.
+    A failed write to --out (a full disk) sends every line, earlier ones too, to stdout instead: the
+    completions must reach somewhere, and the file may hold a half line."""
+
+    def __init__(self, out: str | None):
+        self.lines: list[str] = []
+        self.failed: str | None = None
+        self.file = open(out, "w", encoding="utf-8") if out else None  # noqa: SIM115  (closed by close())
+
+    @property
+    def count(self) -> int:
+        return len(self.lines)
+
+    def write(self, line: str) -> None:
+        self.lines.append(line)
+        if self.file is None:
+            print(line, flush=True)
+            return
+        try:
+            self.file.write(line + "\n")
+            self.file.flush()
+        except OSError as e:
+            self.failed = e.strerror or str(e)
+            self.close()
+            print("\n".join(self.lines), flush=True)
+
+    def close(self) -> None:
+        if self.file is not None:
+            f, self.file = self.file, None
+            with contextlib.suppress(OSError):  # a full disk fails the close's flush too: already reported
+                f.close()
 
 
 def cmd_bench(args) -> None:
@@ -230,6 +313,7 @@ def cmd_replay(args) -> None:
         guard = GuardConfig(tolerance=args.guard_tolerance)
     except (ValueError, OSError) as e:
         raise SystemExit(f"error: {e}")
+    _out_dir(args.out)
     target, draft, tok = _load(args)
     res = replay(target, draft, tok, stream, args.out, params, train, buffer, record, guard,
                  EngineConfig(max_batch_size=args.batch_size), offline_epochs=args.offline_epochs,
@@ -238,6 +322,20 @@ def cmd_replay(args) -> None:
     summary["online"] |= {"updates": res["runs"]["online"]["updates"], "published": res["runs"]["online"]["published"]}
     print(json.dumps({"out": args.out, "requests": res["requests"], "outputs_identical": res["outputs_identical"],
                       "throughput_while_training": res.get("throughput_while_training"), "runs": summary}))
+
+
+def _out_dir(path: str) -> None:
+    """replay's --out, checked before the pair loads (a file in its place failed only after the load),
+    and not made yet: a replay refused for its data leaves no empty directory."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise SystemExit(f"error: --out {path} is not a directory")
+    made_in = Path(path).resolve()
+    while not made_in.exists():  # the nearest existing ancestor: where mkdir will create the rest
+        made_in = made_in.parent
+    if not made_in.is_dir():
+        raise SystemExit(f"error: --out {path}: {made_in} is not a directory")
+    if not os.access(made_in, os.W_OK | os.X_OK):
+        raise SystemExit(f"error: --out {path}: cannot write in {made_in}")
 
 
 def _replay_args(r: argparse.ArgumentParser) -> None:
@@ -292,7 +390,8 @@ def main(argv: list[str] | None = None) -> None:
     _pair_args(g)
     g.add_argument("--prompts", required=True, metavar="FILE.jsonl")
     g.add_argument("--max-tokens", type=_at_least(1), default=64)
-    g.add_argument("--num-speculative-tokens", type=int, default=4)
+    g.add_argument("--num-speculative-tokens", type=_k_or_auto, default=4,
+                   help=f"draft tokens per step, 0-{MAX_SPECULATIVE_TOKENS}, or auto: the engine picks k each step")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0, help="0 or -1: disabled")
     g.add_argument("--top-p", type=float, default=1.0)
@@ -325,6 +424,9 @@ def main(argv: list[str] | None = None) -> None:
         args.fn(args)
     except (ValueError, OSError) as e:  # bad input files and values: one line naming them, not a traceback
         raise SystemExit(f"error: {e}") from None
+    except KeyboardInterrupt:  # each command has cleaned up on its way out (a build's temp dir, replay's result.json)
+        print(f"osd-serve {args.cmd}: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":

@@ -99,8 +99,17 @@ def numbered_records(path: str) -> Iterator[tuple[int, object]]:
         raise ValueError(f"{path}: not a readable gzip file ({e})") from None
 
 
+DATA_SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".json")
+
+
+def check_data_type(path: str) -> None:
+    if not path.lower().endswith(DATA_SUFFIXES):
+        raise ValueError(f"data file {path!r}: unsupported type (want .txt, .jsonl, .jsonl.gz or .json)")
+
+
 def read_documents(path: str) -> Iterator[str]:
     """Documents of one data file: .txt, .jsonl, .jsonl.gz or .json (array of objects), read lazily."""
+    check_data_type(path)
     if path.lower().endswith(".txt"):
         # Strict, as .jsonl is: errors="replace" built a pair from a binary file's U+FFFD noise.
         with open(path, encoding="utf-8-sig") as f:
@@ -109,8 +118,6 @@ def read_documents(path: str) -> Iterator[str]:
             except UnicodeDecodeError as e:
                 raise ValueError(f"{path}: not UTF-8 text (byte {e.start} of a read block: {e.reason})") from None
         return
-    if not path.lower().endswith((".jsonl", ".jsonl.gz", ".json")):
-        raise ValueError(f"data file {path!r}: unsupported type (want .txt, .jsonl, .jsonl.gz or .json)")
     texts = (_checked_text(path, n, r) for n, r in numbered_records(path))
     yield from (p for t in texts if t.strip() for p in _pieces(t))
 

@@ -115,6 +115,9 @@ def _load_error(name: str, role: str, err: Exception) -> ValueError:
     package) is the model's own, and is passed on rather than blamed on the network."""
     if _is_local(name):
         return ValueError(f"{role} model directory {name!r} could not be loaded: {err}")
+    if name.startswith(("/", ".", "~")):  # written as a path (no hub id starts so): the Hub is not to blame
+        # it said "could not be fetched (... Repo id must use alphanumeric chars ...)" for a mistyped path
+        return ValueError(f"{role} model directory {name!r} {'is not a directory' if os.path.exists(name) else 'does not exist'}")
     if not isinstance(err, OSError):
         return ValueError(f"{role} model {name!r} could not be loaded: {err}")
     from huggingface_hub import constants

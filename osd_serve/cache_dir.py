@@ -1,0 +1,52 @@
+"""The bootstrap cache directory's file-system helpers: the umask a build's directory gets, and the lock
+that keeps two builds of one cache from training side by side."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from pathlib import Path
+
+
+def umask() -> int:
+    """The process umask, read without setting it where Linux allows (os.umask is process-wide: setting
+    it, even for an instant, races with files other threads create)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+@contextlib.contextmanager
+def build_lock(root: Path):
+    """One build at a time in a cache directory. Two callers at once (two replicas starting on a fresh
+    machine) each trained the whole pair on the same cores, and all but one threw theirs away; builds
+    of different pairs share the cores too, so one lock for the directory costs them little.
+
+    A flock on the directory itself: no lock file to leave in a --out the user owns, and the kernel
+    drops it with its process, so a killed build leaves no stale lock. Best effort: where the directory
+    cannot be opened or its file system has no such locks, builds run side by side as before (the
+    atomic rename still keeps each cache entry whole)."""
+    try:
+        import fcntl
+
+        fd = os.open(root, os.O_RDONLY)
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        with contextlib.suppress(OSError):  # a mount without flock (ENOLCK; EBADF on a read-only NFS descriptor)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                print(f"[bootstrap] another process is building a pair in {root}: waiting for it", file=sys.stderr)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
