@@ -26,6 +26,7 @@ the target little more than k = 0 (v ≈ 1.05 at batch 1, 1.33 at batch 8 on 2 c
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -83,6 +84,12 @@ class Costs:
     draft: float
     target: list[float]
 
+    @staticmethod
+    def between(lo: "Costs", hi: "Costs", t: float) -> "Costs":
+        """Costs a fraction t of the way from lo to hi (batch sizes between two calibrated ones)."""
+        n = min(len(lo.target), len(hi.target))
+        return Costs(lo.draft + t * (hi.draft - lo.draft), [a + t * (b - a) for a, b in zip(lo.target[:n], hi.target[:n])])
+
     def target_at(self, k: int) -> float:
         """Seconds verifying k+1 tokens per row; past the calibrated widths (a fixed row may ask for up
         to 16), extended by the last calibrated step's increment."""
@@ -119,14 +126,15 @@ class RowView:
 class SpeculationPolicy:
     """Chooses k for the "auto" rows of each step and learns from the steps it sees.
 
-    ``measure(batch) -> Costs`` calibrates a batch size the first time it is met. ``fork()`` gives a
-    policy sharing the calibration but learning afresh (the bench: each run as a server calibrated
-    at start-up would serve it)."""
+    ``measure(batch) -> Costs`` calibrates a batch size the first time it is needed: the powers of two
+    and ``max_batch``, with the sizes between interpolated (a server of max_batch_size 256 calibrates
+    9 sizes, not 256, each a stall of ~40 forwards). ``fork()`` gives a policy sharing the calibration
+    but learning afresh (the bench: each run as a server calibrated at start-up would serve it)."""
 
-    def __init__(self, k_max: int, measure: Callable[[int], Costs], prior_alpha: float = 0.6,
-                 prior_weight: float = 8.0, decay: float = 0.05):
-        self.k_max, self.measure = k_max, measure
-        self.costs: dict[int, Costs] = {}
+    def __init__(self, k_max: int, measure: Callable[[int], Costs], max_batch: int | None = None,
+                 prior_alpha: float = 0.6, prior_weight: float = 8.0, decay: float = 0.05):
+        self.k_max, self.measure, self.max_batch = k_max, measure, max_batch
+        self.costs: dict[int, Costs] = {}  # calibrated batch sizes only
         self.prior_weight, self.decay = prior_weight, decay
         # Running acceptance of all rows, a decayed count (a row's own α is shrunk towards it)
         self._acc, self._tested = prior_alpha * prior_weight, prior_weight
@@ -135,7 +143,7 @@ class SpeculationPolicy:
         self.calibration_seconds = 0.0  # spent in measure(), for the engine to leave out of L
 
     def fork(self) -> "SpeculationPolicy":
-        p = SpeculationPolicy(self.k_max, self.measure)
+        p = SpeculationPolicy(self.k_max, self.measure, self.max_batch)
         p.costs = self.costs
         return p
 
@@ -144,10 +152,19 @@ class SpeculationPolicy:
         return self._acc / self._tested
 
     def cost(self, batch: int) -> Costs:
+        lo = 1 << (batch.bit_length() - 1)  # the power of two at or below batch
+        if lo == batch or batch == self.max_batch:
+            return self._calibrated(batch)
+        hi = min(2 * lo, self.max_batch or 2 * lo)
+        return Costs.between(self._calibrated(lo), self._calibrated(hi), (batch - lo) / (hi - lo))
+
+    def _calibrated(self, batch: int) -> Costs:
         if batch not in self.costs:
             t0 = time.perf_counter()
             self.costs[batch] = self.measure(batch)
-            self.calibration_seconds += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            self.calibration_seconds += dt
+            logging.getLogger(__name__).info("num_speculative_tokens auto: calibrated batch size %d in %.2f s", batch, dt)
         return self.costs[batch]
 
     def step_seconds(self, batch: int, k: int) -> float:

@@ -239,7 +239,7 @@ def run_bench(
         # "auto" chooses among the same ks; calibrated here, untimed, as a server does at start-up
         auto = SpecEngine(target, draft, tok, EngineConfig(max_batch_size=bs, auto_k_max=max(ks))).policy
         for b in range(1, rows + 1):
-            auto.cost(b)
+            auto.cost(b)  # the sizes it calibrates (powers of two and bs), not each
         decoders = {"a": lambda: (hf_generate(target, tok, ids, max_tokens, bs), None)} | hf \
             | {k: (lambda k=k: engine_run(target, draft, tok, ids, bs, max_tokens, k)) for k in engine_ks} \
             | {"auto": lambda: engine_run(target, draft, tok, ids, bs, max_tokens, "auto", auto.fork())}

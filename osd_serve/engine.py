@@ -90,7 +90,7 @@ class SpecEngine:
         self._ids = itertools.count()
         # Chooses k for "auto" requests; calibrates each batch size on first use (auto_k.py). Shared
         # with another engine on the same pair (bench) through policy.fork().
-        self.policy = policy or SpeculationPolicy(self.config.auto_k_max, self._calibrate)
+        self.policy = policy or SpeculationPolicy(self.config.auto_k_max, self._calibrate, self.config.max_batch_size)
 
     def _calibrate(self, batch: int):
         # context + the widest verification within the pair's positions (GPT-2's are learned: no room

@@ -93,14 +93,27 @@ def test_acceptance_is_learned_and_a_rows_own_counts_dominate():
     assert p.choose([RowView(True, 8, 9500, 10_000)]) == 8
 
 
-def test_each_batch_size_is_calibrated_once_and_forks_share_it():
+def test_powers_of_two_are_calibrated_once_and_forks_share_them():
     p = policy(1 * MS, FLAT)
-    for n in (1, 1, 3, 1, 3):
+    for n in (1, 1, 3, 1, 3, 4):
         p.choose(rows(n, 0.5))
-    assert p.calls == [1, 3]
+    assert p.calls == [1, 2, 4]  # 3 lies between 2 and 4
     f = p.fork()
     f.choose(rows(3, 0.5))
-    assert p.calls == [1, 3] and f.draft_scale == 1.0 and f.mean_alpha == pytest.approx(0.6)
+    assert p.calls == [1, 2, 4] and f.draft_scale == 1.0 and f.mean_alpha == pytest.approx(0.6)
+
+
+def test_sizes_between_calibrated_ones_are_interpolated_up_to_the_largest_batch():
+    calls = []
+
+    def measure(b):  # costs growing with the batch, as a compute-bound forward's do
+        calls.append(b)
+        return Costs(b * MS, [b * w * MS for w in range(1, 10)])
+
+    p = SpeculationPolicy(8, measure, max_batch=6)
+    assert p.cost(3).target[1] == pytest.approx(6 * MS) and p.cost(3).draft == pytest.approx(3 * MS)
+    assert p.cost(5).draft == pytest.approx(5 * MS) and p.cost(6).draft == pytest.approx(6 * MS)
+    assert calls == [2, 4, 6]  # 6 is max_batch: calibrated itself, and the top of 5's interval (not 8)
 
 
 def test_widths_past_the_calibration_are_extended():
@@ -161,7 +174,8 @@ def test_auto_learns_from_the_engine_steps(pair, tok):
     stats = []
     eng.generate(_prompts(target.config.vocab_size, n=8, seed=5), SamplingParams(max_tokens=12, num_speculative_tokens="auto"),
                  stats=stats)
-    assert set(eng.policy.costs) == {s.batch_size for s in stats}
+    assert set(eng.policy.costs) <= {1, 2, 4} and 4 in eng.policy.costs  # 3 rows: between 2 and 4
+    assert {s.batch_size for s in stats} >= {3, 4}
     assert all(len(c.target) == 5 for c in eng.policy.costs.values())
     assert all(1 <= s.auto_k <= 4 for s in stats)
     tested = sum(s.accepted + s.rejected for s in stats)
