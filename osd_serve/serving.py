@@ -44,7 +44,9 @@ class AsyncSpecServer:
         if not drafts:
             raise ValueError("at least one draft expert is needed")
         self.target, self.tokenizer, self.config = target, tokenizer, config or EngineConfig()
-        self.engines: dict[str, SpecEngine] = {n: SpecEngine(target, d, tokenizer, self.config) for n, d in drafts.items()}
+        self.engines: dict[str, SpecEngine] = {}
+        for n, d in drafts.items():
+            self.add_expert(n, d)
         self.on_step = on_step
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, Callable[[StreamDelta], None]] = {}
@@ -60,8 +62,12 @@ class AsyncSpecServer:
 
     # ---- caller side (any thread / event loop) -------------------------------------------------------
     def add_expert(self, name: str, draft) -> None:
-        """Register a new expert; safe while serving (the loop reads a snapshot of the dict)."""
-        self.engines = {**self.engines, name: SpecEngine(self.target, draft, self.tokenizer, self.config)}
+        """Register a new expert; safe while serving (the loop reads a snapshot of the dict). Experts are
+        one base draft with different adapters: one forward costs each the same, so their engines share
+        one calibration for num_speculative_tokens "auto" (each learns its own acceptance)."""
+        first = next(iter(self.engines.values()), None)
+        policy = first.policy.fork() if first is not None else None
+        self.engines = {**self.engines, name: SpecEngine(self.target, draft, self.tokenizer, self.config, policy=policy)}
 
     async def prepare(self, prompt, params: SamplingParams, expert: str = "default") -> Prompt:
         """The prompt checked against ``expert``'s engine, tokenized in a worker thread: never on the

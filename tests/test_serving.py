@@ -273,3 +273,26 @@ def test_closing_the_server_ends_its_requests_and_refuses_new_ones(tok):
     deltas = asyncio.run(run())
     assert deltas[-1].finished and deltas[-1].finish_reason == "error"
     assert sum(len(d.token_ids) for d in deltas) < 50
+
+
+def test_experts_share_one_auto_calibration_and_serve_auto(tok):
+    """Experts are one base draft with different adapters: each engine calibrating "auto" for itself
+    stalled serving once per expert for the same costs."""
+    from osd_serve.serving import AsyncSpecServer
+
+    target = llama(len(tok), seed=0)
+    server = AsyncSpecServer(target, tok, {"a": perturbed(target, 0.05), "b": perturbed(target, 0.05, seed=2)})
+    server.add_expert("c", perturbed(target, 0.05, seed=3))
+    try:
+        a, b, c = (server.engines[n].policy for n in "abc")
+        assert a.costs is b.costs is c.costs and a is not b  # one calibration, acceptance learned apart
+        params = SamplingParams(max_tokens=10, num_speculative_tokens="auto", ignore_eos=True)
+
+        async def run(expert):
+            return [d async for d in server.generate([5, 6, 7], params, expert)]
+
+        for expert in "ab":
+            assert sum(len(d.token_ids) for d in asyncio.run(asyncio.wait_for(run(expert), 30))) == 10
+        assert list(a.costs) == [1]  # calibrated once, by whichever expert met batch 1 first
+    finally:
+        server.close()
