@@ -91,5 +91,14 @@ fi
   printf 'bf16 (its draft too) at 128 tokens, batch 1 only (`osd-serve bench --dtype bfloat16 --draft-dtype bfloat16 --threads 2 --repeats 3 --max-tokens 128 --batch-sizes 1`):\n'
   printf 'prefill falls to 2.4%% and tokens per forward to 0.95 of i.i.d., but v and the context grow,\n'
   printf 'and measured/analytic reads 0.83 at its best k (0.79-0.91 over k) against 0.84 at 64 tokens (bf16 draft).\n\n'
+  printf 'k = auto (osd_serve/auto_k.py; the `_amx_auto` reports, float32, `TAG=_amx_auto PAIRS=default DTYPES=float32` and\n'
+  printf 'the same with `PAIRS=data OSD_DATA_PAIR=...`, on d44ebeb and 253acfd): the engine picks k each step from calibrated\n'
+  printf 'forward costs and the acceptance it measures, timed in the same interleaved rounds as every fixed k. Against the\n'
+  printf 'best fixed k, chosen afterwards from the same run: default pair 1.09x at batch 1 (each request gets its own k:\n'
+  printf 'steps at k 1-8) and 0.98x at batch 8 (1.09x k = 4); data pair 0.99x at batch 1 and 0.93x at batch 8, where it\n'
+  printf 'mostly drafted 5 while 3 was best (0.96x k = 4). Its model takes acceptance as independent per position, which\n'
+  printf 'correlated acceptance makes optimistic as k grows (tokens per forward 0.97 of it at k = 3, 0.93 at k = 5), so it\n'
+  printf 'leans to a larger k where the tokens-per-second curve is flat. Both runs were on a slower spell of the host than\n'
+  printf 'the `_amx` reports (the target alone 132-138 tok/s at batch 1 against 166-170), so compare within a report.\n\n'
   python -m osd_serve.bench "$out"/engine_*.json
 } | tee benchmarks/ENGINE.md
