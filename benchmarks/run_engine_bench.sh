@@ -92,7 +92,7 @@ fi
   printf 'prefill falls to 2.4%% and tokens per forward to 0.95 of i.i.d., but v and the context grow,\n'
   printf 'and measured/analytic reads 0.83 at its best k (0.79-0.91 over k) against 0.84 at 64 tokens (bf16 draft).\n\n'
   printf 'k = auto (osd_serve/auto_k.py; the `_amx_auto` reports, float32, `TAG=_amx_auto PAIRS=default DTYPES=float32` and\n'
-  printf 'the same with `PAIRS=data OSD_DATA_PAIR=...`, on d44ebeb and 253acfd): the engine picks k each step from calibrated\n'
+  printf 'the same with `PAIRS=data OSD_DATA_PAIR=...`, on d44ebeb and 253acfd; the first reads dirty for a README edit made during it): the engine picks k each step from calibrated\n'
   printf 'forward costs and the acceptance it measures, timed in the same interleaved rounds as every fixed k. Against the\n'
   printf 'best fixed k, chosen afterwards from the same run: default pair 1.09x at batch 1 (each request gets its own k:\n'
   printf 'steps at k 1-8) and 0.98x at batch 8 (1.09x k = 4); data pair 0.99x at batch 1 and 0.93x at batch 8, where it\n'
