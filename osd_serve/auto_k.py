@@ -27,6 +27,7 @@ the target little more than k = 0 (v ≈ 1.05 at batch 1, 1.33 at batch 8 on 2 c
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,7 +50,8 @@ def expected_tokens(alpha: float, k: int) -> float:
 def filled_cache(model, batch: int, context: int, vocab: int, device) -> BatchKV:
     """A BatchKV of ``batch`` rows holding ``context`` random tokens each."""
     kv = BatchKV(model, batch, device)
-    ctx = torch.randint(0, vocab, (batch, context), device=device)
+    # [batch, context]; from a generator of its own: calibrating mid-serve must not move torch's global one
+    ctx = torch.randint(0, vocab, (batch, context), generator=torch.Generator().manual_seed(0)).to(device)
     kv.forward(ctx, torch.ones_like(ctx, dtype=torch.bool))
     return kv
 
@@ -64,8 +66,8 @@ def timed_forward(kv: BatchKV, tokens: int, vocab: int) -> float:
     new buffer: a whole-cache copy per timed forward (1.1 ms of a 6 ms target forward at batch 1, 3 ms
     of 10 ms at batch 8 on the 2-core host) that no decode step pays. It made c and v read 5-15% low."""
     device, width = kv.length.device, kv.width
-    tok = torch.randint(0, vocab, (kv.batch_size, tokens), device=device)
-    new = torch.ones(kv.batch_size, tokens, dtype=torch.bool, device=device)
+    tok = torch.randint(0, vocab, (kv.batch_size, tokens), generator=torch.Generator().manual_seed(1)).to(device)  # [B, tokens]
+    new = torch.ones(kv.batch_size, tokens, dtype=torch.bool, device=device)  # [B, tokens]
     _sync(device)
     t0 = time.perf_counter()
     kv.forward(tok, new)
@@ -129,7 +131,7 @@ class SpeculationPolicy:
     ``measure(batch) -> Costs`` calibrates a batch size the first time it is needed: the powers of two
     and ``max_batch``, with the sizes between interpolated (a server of max_batch_size 256 calibrates
     9 sizes, not 256, each a stall of ~40 forwards). ``fork()`` gives a policy sharing the calibration
-    but learning afresh (the bench: each run as a server calibrated at start-up would serve it)."""
+    but learning afresh (the bench: each run served as by a server that met those batch sizes before)."""
 
     def __init__(self, k_max: int, measure: Callable[[int], Costs], max_batch: int | None = None,
                  prior_alpha: float = 0.6, prior_weight: float = 8.0, decay: float = 0.05):
@@ -141,10 +143,14 @@ class SpeculationPolicy:
         # measured ÷ calibrated, for draft and target forwards; the loop's own seconds per step
         self.draft_scale, self.target_scale, self.overhead = 1.0, 1.0, 0.0
         self.calibration_seconds = 0.0  # spent in measure(), for the engine to leave out of L
+        self._hyper = (prior_alpha, prior_weight, decay)
+        # Forks share costs and this lock: two engines (threads) meeting one size must not calibrate
+        # it side by side, each timing its forwards under the other's load
+        self._lock = threading.Lock()
 
     def fork(self) -> "SpeculationPolicy":
-        p = SpeculationPolicy(self.k_max, self.measure, self.max_batch)
-        p.costs = self.costs
+        p = SpeculationPolicy(self.k_max, self.measure, self.max_batch, *self._hyper)
+        p.costs, p._lock = self.costs, self._lock
         return p
 
     @property
@@ -153,19 +159,20 @@ class SpeculationPolicy:
 
     def cost(self, batch: int) -> Costs:
         lo = 1 << (batch.bit_length() - 1)  # the power of two at or below batch
-        if lo == batch or batch == self.max_batch:
-            return self._calibrated(batch)
         hi = min(2 * lo, self.max_batch or 2 * lo)
+        if lo == batch or hi <= batch:  # a power of two, max_batch, or past it (a batch over max_batch)
+            return self._calibrated(batch)
         return Costs.between(self._calibrated(lo), self._calibrated(hi), (batch - lo) / (hi - lo))
 
     def _calibrated(self, batch: int) -> Costs:
-        if batch not in self.costs:
-            t0 = time.perf_counter()
-            self.costs[batch] = self.measure(batch)
-            dt = time.perf_counter() - t0
-            self.calibration_seconds += dt
-            logging.getLogger(__name__).info("num_speculative_tokens auto: calibrated batch size %d in %.2f s", batch, dt)
-        return self.costs[batch]
+        with self._lock:
+            if batch not in self.costs:
+                t0 = time.perf_counter()
+                self.costs[batch] = self.measure(batch)
+                dt = time.perf_counter() - t0
+                self.calibration_seconds += dt
+                logging.getLogger(__name__).info("num_speculative_tokens auto: calibrated batch size %d in %.2f s", batch, dt)
+            return self.costs[batch]
 
     def step_seconds(self, batch: int, k: int) -> float:
         """Predicted seconds of a step of ``batch`` rows whose widest row drafts k."""

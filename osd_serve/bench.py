@@ -236,7 +236,8 @@ def run_bench(
             "b": lambda: (hf_generate(target, tok, ids, max_tokens, HF_ASSISTED_BATCH, assistant=draft), None),
         } | {f"b{k}": (lambda k=k: hf_matched_k(target, tok, ids, max_tokens, draft, k)) for k in ks}
         rows = min(bs, len(ids))  # the batch the engine really runs: fewer prompts than bs fill fewer rows
-        # "auto" chooses among the same ks; calibrated here, untimed, as a server does at start-up
+        # "auto" chooses among the same ks; calibrated here, untimed: a one-off cost (~0.1-0.5 s a size on the
+        # default pair) that a server pays in the first step meeting each batch size, not in every run
         auto = SpecEngine(target, draft, tok, EngineConfig(max_batch_size=bs, auto_k_max=max(ks))).policy
         for b in range(1, rows + 1):
             auto.cost(b)  # the sizes it calibrates (powers of two and bs), not each

@@ -91,6 +91,7 @@ class SpecEngine:
         # Chooses k for "auto" requests; calibrates each batch size on first use (auto_k.py). Shared
         # with another engine on the same pair (bench) through policy.fork().
         self.policy = policy or SpeculationPolicy(self.config.auto_k_max, self._calibrate, self.config.max_batch_size)
+        self._auto_failed = False
 
     def _calibrate(self, batch: int):
         # context + the widest verification within the pair's positions (GPT-2's are learned: no room
@@ -207,8 +208,8 @@ class SpecEngine:
         if not self.running:
             return [], None
         rows = self._rows
+        t_loop, calibrating = time.perf_counter(), self.policy.calibration_seconds
         auto_k = self._choose_k()
-        t_loop = time.perf_counter()
         # Capped at max_tokens (Request.step_k): the last step then runs fewer draft forwards and, at
         # batch 1, a narrower verification.
         k_rows = [r.step_k(auto_k=auto_k) for r in self.running]
@@ -252,8 +253,10 @@ class SpecEngine:
         for kv in (self._target_kv, self._draft_kv):
             if kv.hole_fraction() > self.config.compact_hole_fraction:
                 kv.compact()
-        if auto_k is not None:
-            loop = time.perf_counter() - t_loop - out.draft_time - out.target_time
+        if auto_k is not None and not self._auto_failed:
+            # the loop's own time, choose() included; a calibration this step did is a one-off, not per step
+            loop = (time.perf_counter() - t_loop - out.draft_time - out.target_time
+                    - (self.policy.calibration_seconds - calibrating))
             self.policy.observe(stats.batch_size, k, out.draft_time, out.target_time, loop, stats.accepted,
                                 stats.accepted + rejected)
         return deltas, stats
@@ -262,9 +265,22 @@ class SpecEngine:
         """The k for this step's "auto" rows (None when no row asked for it)."""
         if not any(r.params.auto_k for r in self.running):
             return None
-        views = [RowView(r.params.auto_k, r.k_cap() if r.params.auto_k else r.step_k(), r.accepted,
-                         r.accepted + r.rejected) for r in self.running]
-        return self.policy.choose(views)
+        views = [RowView(auto=r.params.auto_k, k=r.k_cap() if r.params.auto_k else r.step_k(), accepted=r.accepted,
+                         tested=r.accepted + r.rejected) for r in self.running]
+        if not self._auto_failed:
+            try:
+                return self.policy.choose(views)
+            except Exception as e:  # noqa: BLE001  a calibration that failed (out of memory) must not fail the batch
+                self._auto_failed = True
+                _log.warning("num_speculative_tokens auto: calibration failed (%s: %s); auto rows draft %d from now on",
+                             type(e).__name__, e, self._auto_fallback)
+        return self._auto_fallback
+
+    @property
+    def _auto_fallback(self) -> int:
+        """The k of auto rows once calibration failed: fixed from then on (>= 1: a row that stopped
+        feeding its draft could not start again, spec.py's invariant)."""
+        return min(max(self.config.auto_seeded_k, 1), self.config.auto_k_max)
 
     # ---- draft hot-swap ---------------------------------------------------------------------------
     def swap_draft(self, state: dict[str, torch.Tensor], version: int) -> None:

@@ -221,3 +221,42 @@ def test_calibration_stays_within_a_short_models_positions(tok):
     costs = eng.policy.cost(2)
     assert len(costs.target) < 9 and costs.target_at(8) > 0
     assert max(p for p in seen if p is not None) < 8
+
+
+def test_a_failed_calibration_falls_back_to_a_fixed_k_and_fails_no_request(pair, tok, caplog):
+    """A calibration that ran out of memory raised out of every step: each request of the batch
+    ended with an error, the fixed-k ones beside the auto ones, and the next step tried again."""
+    from tests.test_engine import _hf_greedy
+
+    arch, target, draft = pair
+    calls = []
+
+    def oom(batch):
+        calls.append(batch)
+        raise torch.OutOfMemoryError("calibrating")
+
+    eng = SpecEngine(target, draft, tok, EngineConfig(max_batch_size=2, auto_seeded_k=3),
+                     policy=SpeculationPolicy(8, oom, 2))
+    prompts = [[5, 9, 14], [7, 3, 22, 8]]
+    stats = []
+    outs = eng.generate(prompts, [SamplingParams(max_tokens=12, num_speculative_tokens=k, ignore_eos=True) for k in (3, "auto")],
+                        stats=stats)
+    assert [o.token_ids for o in outs] == [_hf_greedy(target, p, 12) for p in prompts]
+    assert len(calls) == 1 and {s.auto_k for s in stats} - {None} == {3} and "calibration failed" in caplog.text
+
+
+def test_fork_keeps_the_settings_and_copes_with_a_larger_batch():
+    p = SpeculationPolicy(8, lambda b: Costs(b * MS, [b * w * MS for w in range(1, 10)]), max_batch=2, prior_alpha=0.9)
+    f = p.fork()
+    assert f.mean_alpha == pytest.approx(0.9) and f._lock is p._lock
+    assert f.cost(3).draft == pytest.approx(3 * MS)  # past max_batch: calibrated itself (ZeroDivisionError before)
+
+
+def test_calibration_leaves_torchs_global_generator_alone(pair, tok):
+    arch, target, draft = pair
+    eng = SpecEngine(target, draft, tok, EngineConfig(max_batch_size=2))
+    torch.manual_seed(0)
+    eng.policy.cost(2)
+    after = torch.rand(3)
+    torch.manual_seed(0)
+    assert torch.equal(after, torch.rand(3))
