@@ -16,29 +16,7 @@ import pytest
 from osd_serve import bootstrap, cli
 from osd_serve.bootstrap import build_pair
 from osd_serve.engine import SpecEngine
-from tests.conftest import llama, perturbed
-
-
-@pytest.fixture(scope="module")
-def models():
-    from tests.conftest import char_tokenizer
-
-    tok = char_tokenizer()
-    target = llama(len(tok), seed=0)
-    return target, perturbed(target, 0.015), tok
-
-
-def _error(argv, capsys) -> str:
-    with pytest.raises(SystemExit) as e:
-        cli.main(argv)
-    err = capsys.readouterr().err + str(e.value.code)
-    assert e.value.code != 0 and "Traceback" not in err, err
-    return err
-
-
-def _jsonl(path, prompts) -> str:
-    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts), encoding="utf-8")
-    return str(path)
+from tests.test_cli_inputs import _error, _jsonl, models  # noqa: F401  (models: the fixture)
 
 
 def _stopped(argv) -> int:
