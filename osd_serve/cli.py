@@ -70,6 +70,12 @@ def _writable(path: str | None) -> None:
             os.unlink(path)
 
 
+def _not_the_prompts(out: str | None, prompts: str, output: str, label: str = "the --prompts file") -> None:
+    """--out (or a link to it) must not be the prompts file: the run's output would replace its input."""
+    if out and os.path.exists(out) and os.path.isfile(prompts) and os.path.samefile(out, prompts):
+        raise SystemExit(f"error: --out {out} is {label}: the {output} would replace the prompts")
+
+
 def _read_numbered(path: str, field: str = "prompt") -> list[tuple[int, str]]:
     """[(line number, prompt)]: errors found later (a prompt too long for the pair) name the line."""
     prompts = []
@@ -160,8 +166,7 @@ def cmd_generate(args) -> None:
     from .engine import SpecEngine
 
     _writable(args.out)
-    if args.out and os.path.exists(args.out) and os.path.isfile(args.prompts) and os.path.samefile(args.out, args.prompts):
-        raise SystemExit(f"error: --out {args.out} is the --prompts file: the completions would replace the prompts")
+    _not_the_prompts(args.out, args.prompts, "completions")
     numbered = _read_numbered(args.prompts)
     _check_seed_range(args.seed, len(numbered))
     try:  # before the load: a bad --temperature waited for the pair to load (a minute for a 7B one)
@@ -278,9 +283,13 @@ def cmd_bench(args) -> None:
 
 def _bench_prompts(args) -> list[str]:
     """The first --num-prompts of --prompts, else of the prompts.jsonl beside a bootstrapped pair."""
-    if not args.prompts and not (Path(args.target).parent / "prompts.jsonl").is_file():
+    beside = str(Path(args.target).parent / "prompts.jsonl") if args.target else None
+    if not args.prompts and not (beside and Path(beside).is_file()):
         raise SystemExit("error: --prompts FILE.jsonl is needed: only a bootstrap pair has prompts.jsonl beside it")
-    return _read_prompts(args.prompts or str(Path(args.target).parent / "prompts.jsonl"))[: args.num_prompts]
+    # Checked here, before the run: the report was written over the prompts file at its end.
+    _not_the_prompts(args.out, args.prompts or beside, "report",
+                     "the --prompts file" if args.prompts else f"{beside}, the pair's prompts")
+    return _read_prompts(args.prompts or beside)[: args.num_prompts]
 
 
 def cmd_replay(args) -> None:

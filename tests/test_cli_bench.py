@@ -90,3 +90,24 @@ def test_hf_baselines_decode_greedily_whatever_the_generation_config():
     assert hf_generate(target, tok, ids, 12, 2) == greedy
     assert hf_generate(target, tok, ids, 12, 1, assistant=draft) == greedy
     assert (target.generation_config.repetition_penalty, target.generation_config.no_repeat_ngram_size) == (10.0, 1)
+
+
+def test_bench_refuses_to_write_its_report_over_its_prompts(tmp_path, monkeypatch, capsys):
+    """--out naming the --prompts file (or a link to it) replaced the prompts with the report, after the
+    whole run; generate refused it already. Refused before the pair loads."""
+    def load(args):
+        raise AssertionError("the models loaded before --out was checked against --prompts")
+
+    monkeypatch.setattr(cli, "_load", load)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "x"}\n')
+    (tmp_path / "link.jsonl").symlink_to(prompts)
+    for out in (prompts, tmp_path / "link.jsonl"):
+        assert "is the --prompts file" in _error(["bench", "--prompts", str(prompts), "--out", str(out)], capsys)
+    assert prompts.read_text() == '{"prompt": "x"}\n'
+    # the prompts.jsonl beside a bootstrapped pair, read when --prompts is not given
+    pair = ["bench", "--target", str(tmp_path / "t"), "--draft", str(tmp_path / "d")]
+    beside = tmp_path / "prompts.jsonl"
+    beside.write_text('{"prompt": "y"}\n')
+    assert "the pair's prompts" in _error([*pair, "--out", str(beside)], capsys)
+    assert beside.read_text() == '{"prompt": "y"}\n'
