@@ -11,6 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from .config import AUTO, MAX_SPECULATIVE_TOKENS, SEED_RANGE
+from .corpus import lone_surrogate
 
 
 def _at_least(lo: int, at_most: int | None = None):
@@ -104,10 +105,8 @@ def _prompt_field(line: str, path: str, n: int, field: str) -> str:
         raise SystemExit(f"error: {path}:{n}: not valid JSON ({e.msg})")
     if not isinstance(rec, dict) or not isinstance(rec.get(field), str):
         raise SystemExit(f"error: {path}:{n}: expected an object with a string field {field!r}")
-    try:
-        rec[field].encode("utf-8")
-    except UnicodeEncodeError as e:  # a JSON "\\ud800" escape: the tokenizer refused it after the load, naming no cause
-        raise SystemExit(f"error: {path}:{n}: {field!r} is not text (a lone {rec[field][e.start]!r} escape)") from None
+    if (bad := lone_surrogate(rec[field])) is not None:  # the tokenizer refused it after the load, naming no cause
+        raise SystemExit(f"error: {path}:{n}: {field!r} is not text (a lone {bad!r} escape)")
     return rec[field]
 
 

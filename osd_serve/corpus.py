@@ -122,14 +122,22 @@ def read_documents(path: str) -> Iterator[str]:
     yield from (p for t in texts if t.strip() for p in _pieces(t))
 
 
-def _checked_text(path: str, n: int, record: object) -> str:
-    """record_text, refusing a lone surrogate (a JSON '\\ud800' escape): no UTF-8 encodes it, and the
-    tokenizer trainer failed on it later naming no file."""
-    text = record_text(record)
+def lone_surrogate(text: str) -> str | None:
+    """The first lone UTF-16 surrogate in text, else None. A JSON '\\ud800' escape (or a file name's
+    byte that is not UTF-8, decoded with surrogateescape) puts one in a str: no UTF-8 encodes it, and
+    tokenizers refuse it, later and naming nothing. Readers of text files refuse it where it enters."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ValueError(f"{record_where(path, n)}: not text ({e.reason}: a lone {text[e.start]!r} escape)") from None
+        return text[e.start]
+    return None
+
+
+def _checked_text(path: str, n: int, record: object) -> str:
+    """record_text, refusing a lone surrogate: the tokenizer trainer failed on it naming no file."""
+    text = record_text(record)
+    if (bad := lone_surrogate(text)) is not None:
+        raise ValueError(f"{record_where(path, n)}: not text (surrogates not allowed: a lone {bad!r} escape)")
     return text
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 
 import pytest
 
@@ -86,3 +87,50 @@ def test_replay_reads_what_bootstrap_reads_and_refuses_no_files(tmp_path):
     assert sorted(r["prompt"] for r in load_stream([path], fields=["q"])) == ["name a colour\n", "what is 2 + 2?\n"]
     with pytest.raises(ValueError, match="at least one data file"):
         load_stream([], max_requests=4)
+
+
+def _surrogate_error(files, **kw) -> str:
+    with pytest.raises(ValueError) as e:
+        load_stream([str(f) for f in files], **kw)
+    return str(e.value)
+
+
+def test_a_lone_surrogate_in_replay_data_is_named_as_the_stream_is_read(tmp_path, monkeypatch, capsys):
+    """'\\ud800' is valid JSON but no text: load_stream passed it, and replay failed only after the pair
+    had loaded, in check_stream, with the tokenizer's "TextEncodeInput must be Union[...]" as the cause.
+    Refused as generate refuses such a prompt line: by file, line and field, before the load."""
+    from osd_serve import cli
+
+    lone = repr("\ud800")
+    data = tmp_path / "s.jsonl"
+    data.write_text('{"q": "fine", "c": "x"}\n{"q": "a \\ud800 b", "c": "x"}\n', encoding="utf-8")
+    assert _surrogate_error([data]) == f"{data}:2: 'q' is not text (a lone {lone} escape)"
+    assert _surrogate_error([data], template="{c}: {q}") == f"{data}:2: the --template text is not text (a lone {lone} escape)"
+    assert _surrogate_error([data], template="\ud800{c}") == f"--template: '\\ud800{{c}}' is not text (a lone {lone} escape)"
+    arr = tmp_path / "s.json"
+    arr.write_text('["fine", "a \\udc00 b"]', encoding="utf-8")
+    assert _surrogate_error([arr]) == f"{arr} record 2: the record is not text (a lone {repr(chr(0xDC00))} escape)"
+    # a field the prompt is not taken from may hold one
+    other = tmp_path / "o.jsonl"
+    other.write_text('{"q": "fine", "c": "a \\ud800 b"}\n', encoding="utf-8")
+    assert [s["prompt"] for s in load_stream([str(other)], fields=["q"])] == ["fine\n"]
+
+    def load(args):
+        raise AssertionError("the pair loaded before the data was read")
+
+    monkeypatch.setattr(cli, "_load", load)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["replay", "--data", str(data), "--out", str(tmp_path / "run")])
+    assert f"{data}:2: 'q' is not text" in str(e.value.code)
+
+
+def test_a_data_file_name_that_is_not_utf8_labels_the_stream_as_text(tmp_path):
+    """A file name with a byte that is not UTF-8 decodes (surrogateescape) to a lone surrogate: as the
+    stream's source label it crashed plot_alpha (matplotlib's TypeError) after every run had finished."""
+    from osd_serve.replay import plot_alpha
+
+    odd = _jsonl(tmp_path / os.fsdecode(b"caf\xe9.jsonl"), [{"q": "b"}])
+    stream = load_stream([_jsonl(tmp_path / "a.jsonl", [{"q": "a"}]), odd])
+    assert [s["source"] for s in stream] == ["a.jsonl", "caf?.jsonl"] and stream[1]["where"] == f"{odd}:1"
+    run = {"per_request": [{"acceptance": 0.5}] * 2}
+    plot_alpha({"runs": {"online": run}, "sources": [s["source"] for s in stream]}, tmp_path / "alpha.png")
