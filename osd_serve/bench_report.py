@@ -27,6 +27,17 @@ def _outputs(match: int, n: int, mismatch: dict | None) -> str:
     return f"{match}/{n} ({'; '.join(parts)})"
 
 
+def full_batch_over_best_k(report: dict, batch: int) -> float | None:
+    """The "auto" run's tokens/s over the steps that ran a full batch (their draft and target time only)
+    against the best fixed k's by the same measure: a loaded server's steady state. The whole run's
+    ratio also weighs prefill and the batch's drain at the end, which depend on k but not on the choice
+    within a full batch. None where a run had no full-batch step."""
+    runs = [r for r in report["results"] if r["batch_size"] == batch]
+    auto = next((r["full_batch_tok_s"] for r in runs if r["name"] == "engine_auto"), None)
+    fixed = [r["full_batch_tok_s"] for r in runs if r["name"] == "engine"]
+    return auto / max(fixed) if auto and fixed and None not in fixed else None
+
+
 def summary_table(report: dict, title: str) -> str:
     """A markdown table of one bench report's summary (what the closing notes and benchmarks/ show)."""
     rows = [
@@ -108,13 +119,14 @@ def summary_table(report: dict, title: str) -> str:
             "k = auto: the engine choosing k each step from calibrated forward costs and the acceptance it "
             "measures (osd_serve/auto_k.py), against every fixed k of the same run.",
             "",
-            "| batch | auto tok/s | ÷ best k | ÷ k=1..K | steps at each k | (c)/(a) | (c)/(b) | outputs = target |",
-            "|---|---|---|---|---|---|---|---|",
+            "| batch | auto tok/s | ÷ best k | ÷ k=1..K | full batch ÷ best k | steps at each k | (c)/(a) | (c)/(b) | outputs = target |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for name, a in autos:
             rows.append(
                 f"| {name.split('_')[1]} | {a['tok_s']:.1f} | {a['over_best_k']:.2f} | "
                 f"{' '.join(f'{x:.2f}' for x in a['over_each_k'].values())} | "
+                f"{_f(full_batch_over_best_k(report, int(name.split('_')[1])))} | "
                 f"{', '.join(f'{k}: {n}' for k, n in a['k_steps'].items())} | {a['speedup_vs_target_alone']:.2f} | "
                 f"{a['speedup_vs_hf_assisted']:.2f} | {_outputs(a['outputs_match_target'], report['prompts'], a.get('mismatch'))} |"
             )

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from osd_serve.bench_report import summary_table
+from osd_serve.bench_report import full_batch_over_best_k, summary_table
 
 
 def _cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
@@ -129,6 +129,8 @@ def test_bench_report_is_complete_and_lossless(tiny_pair, tmp_path):
         assert a["over_best_k"] == pytest.approx(auto["tokens_per_s"] / s["best_engine_tok_s"])
         assert a["over_each_k"]["2"] == pytest.approx(auto["tokens_per_s"] / s["per_k"]["2"]["tok_s"])
         assert 0 <= a["outputs_match_target"] <= 3 and len(auto["round_seconds"]) == 2
+        fixed = [x["full_batch_tok_s"] for (name, _), x in res.items() if name == "engine"]
+        assert full_batch_over_best_k(rep, int(bs[-1])) == pytest.approx(auto["full_batch_tok_s"] / max(fixed))
     assert "k = auto" in summary_table(rep, "t")
 
 
