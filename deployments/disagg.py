@@ -38,6 +38,15 @@ from .app import Readiness
 from .config import AppConfig
 
 IDLE_SEQUENCE_S = 600.0  # see Verifier._forget_idle
+RELEASED_KEPT = 4096  # released ids a replica remembers; a call queued before its release is seconds old
+
+
+def _remember_release(released: OrderedDict[str, None], seq_id: str) -> None:
+    """Released ids, newest last: a call for the sequence already queued when its release came (its
+    client went away) must not bring it back."""
+    released[seq_id] = None
+    while len(released) > RELEASED_KEPT:
+        released.popitem(last=False)
 
 
 def _report_ahead(fut) -> None:
@@ -95,6 +104,7 @@ class DraftPool(_Batched):
         # drops its reference (and calls __del__, which a DraftWorker has none of), so a strong dict here
         # kept every expert's draft copy and KV caches loaded and the cap freed nothing.
         self.workers: weakref.WeakValueDictionary[str, DraftWorker] = weakref.WeakValueDictionary()
+        self.released: OrderedDict[str, None] = OrderedDict()  # _remember_release; read on the torch thread
         # Online distillation: the cluster distiller publishes versions; each loaded expert is hot-swapped
         # on the torch thread, between batches, so no request fails or waits for more than one swap.
         self.watcher = VersionWatcher(_versions_dir(self.cfg), self._swap) if self.cfg.distill.enabled else None
@@ -130,12 +140,23 @@ class DraftPool(_Batched):
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.002)
     async def propose(self, items: list[ProposeItem]) -> list[Proposal]:
         worker = await self.get_worker(serve.get_multiplexed_model_id())
-        out = await self._run(worker.propose, items)
+        out = await self._run(self._propose, worker, items)
         ahead = asyncio.get_running_loop().run_in_executor(self.pool, worker.draft_ahead)  # overlaps verification
         ahead.add_done_callback(_report_ahead)  # not awaited: its failure would otherwise go unseen
         return out
 
+    def _propose(self, worker: DraftWorker, items: list[ProposeItem]) -> list[Proposal]:  # the torch thread
+        out = worker.propose(items)
+        # A release that came while this call waited (for its expert to load, or in the batch queue) found
+        # no row to free, and the call has just made one: freed now, before drafting ahead for it. Else
+        # it stayed until it idled out (IDLE_ROW_S), a long prompt's cache on the draft's device.
+        for it in items:
+            if it.seq_id in self.released:
+                worker.release(it.seq_id)
+        return out
+
     async def release(self, seq_id: str) -> None:
+        _remember_release(self.released, seq_id)
         # Not get_worker: on a replica without this expert (evicted, or the release routed elsewhere) it
         # loaded a whole draft, evicting another expert, to free a sequence that was never here.
         worker = self.workers.get(serve.get_multiplexed_model_id())
@@ -154,8 +175,8 @@ class Verifier(_Batched):
         # Sequence id -> (expert, monotonic time of its latest verify), until released; least recently
         # verified first (each verify moves its sequence to the end), so idle ones are found at the front.
         self.live: dict[str, tuple[str, float]] = {}
-        # Released ids, newest last: a verify already queued when its client went away must not bring
-        # the sequence back. (Its cache row and record trace are bounded by the core's LRU caps.)
+        # _remember_release: a verify already queued must not count the sequence live again. (Its cache
+        # row and record trace are bounded by the core's LRU caps.)
         self.released: OrderedDict[str, None] = OrderedDict()
         self.versions: dict[str, int] = {}  # expert -> the draft version of the latest proposal verified
         target, vocab, _ = _load(self.cfg, "target")
@@ -200,9 +221,7 @@ class Verifier(_Batched):
 
         self.telemetry.on_request(expert, latency_s, finish_reason)
         self.live.pop(seq_id, None)
-        self.released[seq_id] = None
-        while len(self.released) > 4096:
-            self.released.popitem(last=False)
+        _remember_release(self.released, seq_id)
         await self._run(self.core.release, seq_id)
         if prompt_ids is not None:
             send_record(self.buffer, await self._run(self.core.finish, seq_id, prompt_ids, output_ids))

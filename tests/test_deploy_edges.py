@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import threading
 import weakref
 from types import SimpleNamespace
 
@@ -103,5 +104,33 @@ def test_a_release_for_an_expert_not_loaded_here_loads_nothing(monkeypatch):
         assert "seq-2" in worker.caches.tokens
         await pool.release("seq-2")
         assert "seq-2" not in worker.caches.tokens and loads == ["a"]
+
+    asyncio.run(run())
+
+
+def test_a_release_while_its_expert_loads_is_not_lost(monkeypatch):
+    """A client gone while its sequence's first proposal waits for the expert to load: the release found
+    no worker and did nothing, then the proposal made the sequence's cache row, which stayed until it
+    idled out (IDLE_ROW_S) or max_seqs pushed it out. The same when a release overtakes a proposal
+    still in the batch queue."""
+    pool, cache, loads = _pool(monkeypatch, cap=1)
+    pool.cfg = pool.cfg.model_copy(update={"draft_ahead": True})  # on a CPU too: nothing drafted ahead for it either
+    from osd_serve.disagg import ProposeItem, Sampling
+
+    started, gate = threading.Event(), threading.Event()
+    load = pool._new_worker
+    pool._new_worker = lambda expert: (started.set(), gate.wait(10), load(expert))[2]
+    propose = type(pool).propose.__wrapped__  # the batch body Serve calls with the batch's items
+
+    async def run():
+        _as_request_for("a")
+        proposing = asyncio.ensure_future(propose(pool, [ProposeItem("seq-1", [5, 6, 7], 2, Sampling())]))
+        assert await asyncio.to_thread(started.wait, 10)  # the expert is loading, the proposal waits on it
+        await pool.release("seq-1")
+        gate.set()
+        await proposing
+        await pool._run(lambda: None)  # after anything the proposal queued on the torch thread
+        worker = pool.workers["a"]
+        assert "seq-1" not in worker.caches.tokens and "seq-1" not in worker._ahead and loads == ["a"]
 
     asyncio.run(run())
