@@ -107,11 +107,13 @@ class DraftPool(_Batched):
         self.released: OrderedDict[str, None] = OrderedDict()  # _remember_release; read on the torch thread
         # Online distillation: the cluster distiller publishes versions; each loaded expert is hot-swapped
         # on the torch thread, between batches, so no request fails or waits for more than one swap.
-        self.watcher = VersionWatcher(_versions_dir(self.cfg), self._swap) if self.cfg.distill.enabled else None
+        # loaded: an evicted expert's versions are not read (each a whole draft) until it loads again.
+        self.watcher = VersionWatcher(_versions_dir(self.cfg), self._swap, loaded=self.workers.__contains__) \
+            if self.cfg.distill.enabled else None
 
     def _swap(self, expert: str, state: dict, version: int) -> None:  # the watcher's thread
         worker = self.workers.get(expert)
-        if worker is None:  # evicted: when it is loaded again, watch() gives it the store's current version
+        if worker is None:  # evicted since the watcher asked: loaded again, watch() gives it the current version
             return
         self.pool.submit(worker.swap, state, version).result()
 

@@ -33,9 +33,9 @@ class _Pusher:  # Ray's MetricsPusher pushes loaded model ids to a controller th
         pass
 
 
-def _pool(monkeypatch, cap: int):
-    """A DraftPool over a tiny draft, with experts a and b, whose multiplexing cache holds `cap` experts.
-    Returns (pool, the multiplexing cache, the experts' loads)."""
+def _pool(monkeypatch, cap: int, distill: dict | None = None):
+    """A DraftPool over a tiny draft, with experts a and b, whose multiplexing cache holds `cap` experts
+    (distill: the config's section, off by default). Returns (pool, the multiplexing cache, the experts' loads)."""
     import ray.serve.multiplex as mux
 
     import deployments.disagg as dd
@@ -46,7 +46,7 @@ def _pool(monkeypatch, cap: int):
     monkeypatch.setattr(mux, "metrics", SimpleNamespace(Histogram=_Metric, Gauge=_Metric, Counter=_Metric))
     monkeypatch.setattr(mux, "MetricsPusher", _Pusher)
     monkeypatch.setattr(dd, "_load", lambda cfg, role: (llama(50, hidden=16, layers=1), 50, 256))
-    cfg = AppConfig(distill={"enabled": False}, experts=[{"name": "a"}, {"name": "b"}], default_expert="a")
+    cfg = AppConfig(distill=distill or {"enabled": False}, experts=[{"name": "a"}, {"name": "b"}], default_expert="a")
     pool = dd.DraftPool.func_or_class(cfg.model_dump())
     loads = []
     new_worker = pool._new_worker
@@ -132,5 +132,32 @@ def test_a_release_while_its_expert_loads_is_not_lost(monkeypatch):
         await pool._run(lambda: None)  # after anything the proposal queued on the torch thread
         worker = pool.workers["a"]
         assert "seq-1" not in worker.caches.tokens and "seq-1" not in worker._ahead and loads == ["a"]
+
+    asyncio.run(run())
+
+
+def test_the_versions_of_an_evicted_expert_are_not_read(monkeypatch, tmp_path):
+    """The version watcher polled every expert the replica had ever loaded: each version the cluster
+    distiller published for one the multiplexing cap had evicted was read in full (a whole draft) and
+    dropped by _swap. Loaded again, the expert serves the store's current version."""
+    from osd_serve.distill import versions
+
+    pool, cache, loads = _pool(monkeypatch, cap=1, distill={"backend": "ray_train", "versions_dir": str(tmp_path)})
+    pool.watcher.poll_s = 3600  # polled by hand below
+    reads = []
+    load_file = versions.load_file
+    monkeypatch.setattr(versions, "load_file", lambda path: (reads.append(path), load_file(path))[1])
+
+    async def run():
+        await pool.get_worker("a")
+        await pool.get_worker("b")  # past the cap: a is evicted
+        gc.collect()
+        trained = {n: t + 1 for n, t in pool.base.state_dict().items()}
+        assert versions.VersionStore(tmp_path / "a").publish(trained) == 1  # the cluster distiller
+        pool.watcher.poll()
+        assert reads == [], "an evicted expert's version was read"
+        assert (await pool.get_worker("a")).version == 1 and len(reads) == 1 and loads == ["a", "b", "a"]
+        pool.watcher.poll()
+        assert len(reads) == 1
 
     asyncio.run(run())

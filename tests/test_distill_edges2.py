@@ -109,6 +109,31 @@ def test_a_damaged_version_file_is_skipped_and_the_watch_goes_on(tmp_path):
     w.close()
 
 
+def test_a_version_read_before_its_expert_reloaded_is_not_swapped_into_it(tmp_path):
+    """A draft pool evicts experts and loads them again (watch(), which gives the store's current version).
+    A poll that was reading a version meanwhile swapped it in afterwards: the reloaded draft served an
+    older version than the store's (a bad one an admin had just rolled back from, say) until a later poll."""
+    applied = []
+    w = VersionWatcher(tmp_path, lambda e, s, v: applied.append(v), poll_s=3600)
+    w.watch("a", lambda: {"w": torch.zeros(3)})
+    store = VersionStore(tmp_path / "a")
+    store.publish({"w": torch.ones(3)})  # v1, bad
+    read = w.stores["a"].load
+
+    def reload_while_reading(v):
+        state = read(v)
+        store.rollback(0)  # the admin rolls the bad version back...
+        assert w.watch("a", lambda: {"w": torch.zeros(3)})[0] == 0  # ...and the evicted expert loads again
+        return state
+
+    w.stores["a"].load = reload_while_reading
+    w.poll()
+    assert applied == [] and w.serving["a"] == 0
+    w.poll()
+    assert applied == []
+    w.close()
+
+
 def test_a_failing_swap_callback_does_not_end_the_watch_thread(tmp_path):
     """Any exception out of poll (on_swap's, here) ended the thread silently: no swap after it."""
     swapped, done = [], threading.Event()

@@ -275,10 +275,14 @@ class VersionWatcher:
 
     Used by the colocated SpecServer and the disaggregated DraftPool when distill.backend is ray_train.
     A version being pruned as it is read is skipped, and picked up at the next poll.
+
+    loaded(expert): whether the expert's draft is still held. DraftPool's experts come and go (Ray Serve's
+    multiplexing evicts past its cap): one no longer held stops being watched, as its versions would
+    each be read in full for nothing, and watch() again, as it loads, gives it the current version.
     """
 
-    def __init__(self, root: str | os.PathLike, apply, poll_s: float = 2.0, on_swap=None):
-        self.root, self.apply, self.poll_s, self.on_swap = Path(root), apply, poll_s, on_swap
+    def __init__(self, root: str | os.PathLike, apply, poll_s: float = 2.0, on_swap=None, loaded=None):
+        self.root, self.apply, self.poll_s, self.on_swap, self.loaded = Path(root), apply, poll_s, on_swap, loaded
         self.stores: dict[str, VersionStore] = {}
         self.serving: dict[str, int | None] = {}
         self.failed: set[tuple[str, int]] = set()
@@ -311,10 +315,20 @@ class VersionWatcher:
                 self._thread.start()
         return store.current, state
 
+    def _watching(self, expert: str, store: VersionStore) -> bool:
+        """Whether store is still the one watch() last gave expert (not unloaded, or loaded again since)."""
+        with self._lock:
+            return self.stores.get(expert) is store
+
     def poll(self) -> None:
         with self._lock:
             items = list(self.stores.items())
         for expert, store in items:
+            if self.loaded is not None and not self.loaded(expert):
+                with self._lock:
+                    if self.stores.get(expert) is store:  # not if it was loaded again meanwhile
+                        del self.stores[expert], self.serving[expert]
+                continue
             try:
                 v = store.refresh()
                 if v is None or v == self.serving.get(expert) or (expert, v) in self.failed:
@@ -327,13 +341,21 @@ class VersionWatcher:
                 continue
             except (OSError, ValueError, KeyError):  # being written or pruned as we read: next poll
                 continue
+            if not self._watching(expert, store):
+                # Unloaded, or loaded again while this was read (a whole draft: seconds): watch() gave the
+                # new draft the store's version of then, and this one may be older (one rolled back from).
+                continue
             try:
                 self.apply(expert, state, v)
             except Exception as e:  # noqa: BLE001  a version this draft cannot take: keep serving, say so
                 self.failed.add((expert, v))
                 logger.error("draft version %s of expert %s could not be swapped in: %r", v, expert, e)
                 continue
-            self.serving[expert] = v
+            with self._lock:
+                # Also when it was loaded again during apply, as the new draft may then have got v: the
+                # next poll swaps the store's version in if that is another one.
+                if expert in self.stores:
+                    self.serving[expert] = v
             if self.on_swap is not None:
                 self.on_swap(expert, v)
 
