@@ -338,9 +338,13 @@ class SpecEngine:
         if len(plist) != len(prompts):
             raise ValueError("params must be one SamplingParams or one per prompt")
         reqs = []
-        for p, sp in zip(prompts, plist):
-            self.add_request(p, sp)
-            reqs.append(self.waiting[-1])
+        try:
+            for p, sp in zip(prompts, plist):
+                self.add_request(p, sp)
+                reqs.append(self.waiting[-1])
+        except BaseException:  # a refused prompt: the caller gets no requests, so none of them may run
+            self._abort_all(reqs)
+            raise
         return reqs
 
     def stream(self, prompts, params=None) -> Iterator[StreamDelta]:
