@@ -130,6 +130,7 @@ class Request:
     _sent_chars: int = 0
     _rendered: int = 0  # output ids whose text is in ``text`` (the rest end inside a UTF-8 character)
     _stream: DecodeStream | None = None  # incremental detokenizer (see _render)
+    _full_decode: bool = False  # the stream refused this output: decoded in full every step (see _render)
     _context: list[int] | None = None  # see context()
 
     @property
@@ -214,14 +215,26 @@ class Request:
         their text while the last one ends inside a UTF-8 character, so a stop string before it was
         seen a step late, after the step's tokens past it were kept (token ids then depended on k)."""
         backend = getattr(tokenizer, "backend_tokenizer", None)
-        if self.finished or backend is None:
+        if self.finished or backend is None or self._full_decode:
             self._rendered = len(ids)
             return _decode(tokenizer, ids, self.context(tokenizer))
         if self._stream is None:  # prefilled with the same context as _decode, for the same reason
             self._stream = DecodeStream(ids=self.context(tokenizer) or None, skip_special_tokens=True)
         pieces = []
         for i, t in enumerate(ids[start:], start):
-            piece = self._stream.step(backend, [t])  # None while t ends inside a character
+            try:
+                piece = self._stream.step(backend, [t])  # None while t ends inside a character
+            except Exception as e:
+                if "Invalid prefix" not in str(e):
+                    raise
+                # A byte-fallback decoder (Llama-2, Mistral, Gemma) gives one U+FFFD per byte of a run of
+                # byte tokens that is not valid UTF-8 as a whole, so a decode can rewrite text the stream
+                # already returned ("é" of <0xC3><0xA9>, then <0xE6> and " a": "\ufffd\ufffd\ufffd a"); the
+                # stream raises on that, which failed the engine step of every request in the batch
+                # (vLLM #17448). This request is decoded in full from here on, as without a fast backend.
+                self._full_decode, self._stream = True, None
+                self._rendered = len(ids)
+                return _decode(tokenizer, ids, self.context(tokenizer))
             if piece is not None:
                 pieces.append(piece)
                 self._rendered = i + 1

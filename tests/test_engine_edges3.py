@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
+import torch
 
 from osd_serve.config import EngineConfig, SamplingParams
 from osd_serve.engine import SpecEngine
@@ -28,3 +31,63 @@ def test_a_refused_prompt_leaves_none_of_its_batch_queued(tok, target, call):
     assert not eng.has_unfinished()
     seen = {d.request_id for d in eng.stream([[12, 22]], params)}
     assert len(seen) == 1
+
+
+def _byte_fallback_tokenizer():
+    """A SentencePiece-style tokenizer with byte fallback (Llama-2, Mistral, Gemma): <0xXX> byte tokens
+    for text outside its pieces, decoded by ByteFallback, which gives one U+FFFD per byte of a run that
+    is not valid UTF-8 as a whole."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)] + ["▁The", "▁is", "a", "▁a"]
+    tk = Tokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=[], unk_token="<unk>",
+                              fuse_unk=True, byte_fallback=True))
+    tk.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tk.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="</s>", bos_token="<s>", unk_token="<unk>")
+
+
+def _scripted_llama(vocab: int, successor: dict[int, int]):
+    """A tiny Llama whose greedy next token depends on the last token only, as ``successor`` says: the
+    layers add nothing to the residual stream, and the head scores each successor by its input's embedding."""
+    model = llama(vocab, seed=4)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        emb = model.model.embed_tokens.weight  # [V, H]
+        head = torch.zeros_like(model.lm_head.weight)  # [V, H]
+        for x, y in successor.items():
+            head[y] += 10 * emb[x] / emb[x].pow(2).mean().sqrt()
+        model.lm_head.weight = torch.nn.Parameter(head)
+    return model
+
+
+def test_output_that_a_byte_fallback_decoder_rewrites_fails_no_step(tok):
+    """A byte-fallback decoder rewrites text it already gave: "é" from <0xC3><0xA9>, then <0xE6> (a
+    character's first byte) and " a" decode as three U+FFFD and " a". The tokenizers DecodeStream then
+    raises "Invalid prefix" (vLLM #17448), out of Request.append and the engine step: every request of
+    the batch failed (AsyncSpecServer ends them all with an error). The request is decoded in full from
+    then on, and its text is the tokenizer's decode."""
+    sp = _byte_fallback_tokenizer()
+    byte = {b: sp.convert_tokens_to_ids(f"<0x{b:02X}>") for b in (0xC3, 0xA9, 0xE6)}
+    the, is_, a, sp_a = (sp.convert_tokens_to_ids(t) for t in ("▁The", "▁is", "a", "▁a"))
+    # ▁The -> ▁a -> é (2 bytes) -> a character's first byte -> ▁a ... ; ▁is -> a -> a ...
+    successor = {the: sp_a, sp_a: byte[0xC3], byte[0xC3]: byte[0xA9], byte[0xA9]: byte[0xE6], byte[0xE6]: sp_a,
+                 is_: a, a: a}
+    target = _scripted_llama(len(sp), successor)
+    eng = SpecEngine(target, target, sp, EngineConfig(max_batch_size=2))
+    params = SamplingParams(max_tokens=9, num_speculative_tokens=0, ignore_eos=True)
+    broken, other = eng.generate([[1, the], [1, is_]], params)
+    assert broken.token_ids == [sp_a, byte[0xC3], byte[0xA9], byte[0xE6]] * 2 + [sp_a]
+    assert broken.finish_reason == other.finish_reason == "length"
+    assert broken.text == sp.decode([1, the] + broken.token_ids, skip_special_tokens=True)[len("The"):]
+    assert other.token_ids == [a] * 9 and other.text == "aaaaaaaaa"
+    # the same through the stream, whatever the tokens per step: no step fails, ids add up
+    for k in (1, 4):
+        ids = []
+        for d in SpecEngine(target, target, sp).stream([[1, the]], replace(params, num_speculative_tokens=k)):
+            ids += d.token_ids
+        assert ids == broken.token_ids
