@@ -106,7 +106,7 @@ def _prompt_field(line: str, path: str, n: int, field: str) -> str:
     if not isinstance(rec, dict) or not isinstance(rec.get(field), str):
         raise SystemExit(f"error: {path}:{n}: expected an object with a string field {field!r}")
     if (bad := lone_surrogate(rec[field])) is not None:  # the tokenizer refused it after the load, naming no cause
-        raise SystemExit(f"error: {path}:{n}: {field!r} is not text (a lone {bad!r} escape)")
+        raise SystemExit(f"error: {path}:{n}: {field!r} is not text (a lone surrogate {bad!r} escape)")
     return rec[field]
 
 

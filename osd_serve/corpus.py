@@ -133,12 +133,16 @@ def lone_surrogate(text: str) -> str | None:
     return None
 
 
+def checked_text(text: str, where: str, what: str) -> str:
+    """text, or a ValueError naming where it came from and what it is if it holds a lone surrogate."""
+    if (bad := lone_surrogate(text)) is not None:
+        raise ValueError(f"{where}: {what} is not text (a lone surrogate {bad!r} escape)")
+    return text
+
+
 def _checked_text(path: str, n: int, record: object) -> str:
     """record_text, refusing a lone surrogate: the tokenizer trainer failed on it naming no file."""
-    text = record_text(record)
-    if (bad := lone_surrogate(text)) is not None:
-        raise ValueError(f"{record_where(path, n)}: not text (surrogates not allowed: a lone {bad!r} escape)")
-    return text
+    return checked_text(record_text(record), record_where(path, n), "the record")
 
 
 def stdlib_files() -> list[Path]:

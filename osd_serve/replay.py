@@ -35,7 +35,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .config import EngineConfig, SamplingParams
-from .corpus import lone_surrogate, numbered_records, record_where
+from .corpus import checked_text, numbered_records, record_where
 from .distill.guard import GuardConfig
 from .distill.online import OnlineDistiller
 from .distill.recorder import RecordConfig, Recorder
@@ -55,17 +55,9 @@ def _records(path: str) -> list[tuple[str, object]]:
     return [(record_where(path, n), rec) for n, rec in numbered_records(path)]
 
 
-def _text(text: str, where: str, what: str) -> str:
-    """text, or a ValueError naming where it came from if it holds a lone surrogate (a JSON '\\ud800'
-    escape): load_stream took it, and replay failed after the pair had loaded, on the tokenizer's TypeError."""
-    if (bad := lone_surrogate(text)) is not None:
-        raise ValueError(f"{where}: {what} is not text (a lone {bad!r} escape)")
-    return text
-
-
 def _prompt(rec, fields: list[str] | None, template: str | None, where: str) -> str | None:
     if isinstance(rec, str):
-        return _text(rec, where, "the record")
+        return checked_text(rec, where, "the record")
     if not isinstance(rec, dict):
         return None
     if template is not None:
@@ -76,11 +68,11 @@ def _prompt(rec, fields: list[str] | None, template: str | None, where: str) -> 
             raise ValueError(f"--template names field {e} that {where} lacks (fields: {sorted(rec)})") from None
         except (IndexError, AttributeError, TypeError, ValueError) as e:  # '{n[0]}' on an int, a lone '{'
             raise ValueError(f"--template {template!r} does not fit {where}: {e!r}") from None
-        return _text(text, where, "the --template text")
+        return checked_text(text, where, "the --template text")
     for name in fields or [k for k, v in rec.items() if isinstance(v, str)]:
         if isinstance(rec.get(name), str) and rec[name].strip():
             # rstrip + "\n": the training text put the answer on the next line
-            return _text(rec[name], where, repr(name)).rstrip() + "\n"
+            return checked_text(rec[name], where, repr(name)).rstrip() + "\n"
     return None
 
 
@@ -95,7 +87,7 @@ def load_stream(files: list[str], fields: list[str] | None = None, template: str
     if max_requests is not None and max_requests < 1:  # 0 is falsy: it read as no limit at all
         raise ValueError(f"max_requests must be >= 1 (or None: every record), got {max_requests}")
     if template is not None:
-        _text(template, "--template", repr(template))
+        checked_text(template, "--template", repr(template))
     per_file = []
     for path in files:
         records = _records(path)

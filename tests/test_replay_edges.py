@@ -104,12 +104,12 @@ def test_a_lone_surrogate_in_replay_data_is_named_as_the_stream_is_read(tmp_path
     lone = repr("\ud800")
     data = tmp_path / "s.jsonl"
     data.write_text('{"q": "fine", "c": "x"}\n{"q": "a \\ud800 b", "c": "x"}\n', encoding="utf-8")
-    assert _surrogate_error([data]) == f"{data}:2: 'q' is not text (a lone {lone} escape)"
-    assert _surrogate_error([data], template="{c}: {q}") == f"{data}:2: the --template text is not text (a lone {lone} escape)"
-    assert _surrogate_error([data], template="\ud800{c}") == f"--template: '\\ud800{{c}}' is not text (a lone {lone} escape)"
+    assert _surrogate_error([data]) == f"{data}:2: 'q' is not text (a lone surrogate {lone} escape)"
+    assert _surrogate_error([data], template="{c}: {q}") == f"{data}:2: the --template text is not text (a lone surrogate {lone} escape)"
+    assert _surrogate_error([data], template="\ud800{c}") == f"--template: '\\ud800{{c}}' is not text (a lone surrogate {lone} escape)"
     arr = tmp_path / "s.json"
     arr.write_text('["fine", "a \\udc00 b"]', encoding="utf-8")
-    assert _surrogate_error([arr]) == f"{arr} record 2: the record is not text (a lone {repr(chr(0xDC00))} escape)"
+    assert _surrogate_error([arr]) == f"{arr} record 2: the record is not text (a lone surrogate {repr(chr(0xDC00))} escape)"
     # a field the prompt is not taken from may hold one
     other = tmp_path / "o.jsonl"
     other.write_text('{"q": "fine", "c": "a \\ud800 b"}\n', encoding="utf-8")
