@@ -23,7 +23,7 @@ import secrets
 import time
 import uuid
 import weakref
-from collections import OrderedDict
+from collections import Counter, OrderedDict, defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -32,7 +32,7 @@ from ray import serve
 from osd_serve.config import SamplingParams
 from osd_serve.disagg import DraftWorker, ProposeItem, Proposal, TargetVerifier, Verdict, VerifyItem, run_request
 from osd_serve.distill.versions import VersionStore
-from osd_serve.output import Request, fit_max_tokens
+from osd_serve.output import Request, finish_counts, fit_max_tokens
 
 from .app import Readiness
 from .config import AppConfig
@@ -181,6 +181,9 @@ class Verifier(_Batched):
         # row and record trace are bounded by the core's LRU caps.)
         self.released: OrderedDict[str, None] = OrderedDict()
         self.versions: dict[str, int] = {}  # expert -> the draft version of the latest proposal verified
+        # expert -> released sequences by finish_reason, as the router reports it (none: its client went
+        # away, "abort"); /admin/experts' "finished", as the colocated engine counts them
+        self.finished: defaultdict[str, Counter] = defaultdict(Counter)
         target, vocab, _ = _load(self.cfg, "target")
         recorder = None
         tag = serve.get_replica_context().replica_id.unique_id
@@ -222,6 +225,7 @@ class Verifier(_Batched):
         from .distiller import send_record
 
         self.telemetry.on_request(expert, latency_s, finish_reason)
+        self.finished[expert][finish_reason or "abort"] += 1
         self.live.pop(seq_id, None)
         _remember_release(self.released, seq_id)
         await self._run(self.core.release, seq_id)
@@ -240,13 +244,17 @@ class Verifier(_Batched):
         return {"history": self.telemetry.recent(), "recomputed_tokens": self.recomputed}
 
     async def running(self) -> dict:
-        """Per expert: sequences holding a KV cache on this replica, and the draft version serving it
-        (that of the latest proposal verified here; None before any). Async, so it runs on the event
-        loop like verify(), which changes what it reads: a plain method runs in Ray's thread pool."""
+        """Per expert: sequences holding a KV cache on this replica, the draft version serving it
+        (that of the latest proposal verified here; None before any) and the sequences released here by
+        finish_reason. Async, so it runs on the event loop like verify() and release(), which change
+        what it reads: a plain method runs in Ray's thread pool."""
         self._forget_idle(time.monotonic())
-        out = {e: {"running": 0, "serving_version": v} for e, v in self.versions.items()}
+        out = {e: {"running": 0, "serving_version": self.versions.get(e)}
+               for e in {*self.versions, *self.finished, *(e for e, _ in self.live.values())}}
         for e, _ in self.live.values():
-            out.setdefault(e, {"running": 0, "serving_version": None})["running"] += 1
+            out[e]["running"] += 1
+        for e, counts in self.finished.items():
+            out[e]["finished"] = finish_counts(counts)
         return out
 
 
@@ -324,6 +332,7 @@ class DisaggBackend:
                            "prompt_tokens": len(ids)}
             except Exception as e:  # noqa: BLE001  a failed call (a replica died, a batch raised): the API's error, as colocated
                 logging.getLogger(__name__).error("request %s failed: %r", req.request_id, e, exc_info=e)
+                req.finish_reason = "error"  # as released: not "abort", which is a client gone away
                 yield {"text": "", "token_ids": [], "finished": True, "finish_reason": "error", "prompt_tokens": len(ids)}
         finally:  # finished, failed or the client went away: free the sequence on both sides, without waiting
             record = {"prompt_ids": req.prompt_ids, "output_ids": req.output_ids} if self.cfg.distill.enabled else {}
@@ -358,7 +367,7 @@ class DisaggBackend:
             # serving_version: what the verifier saw proposals come from, i.e. what DraftPool serves
             # (the store's current version reaches DraftPool at its next poll).
             out[e] = {"topology": "disaggregated", "running": seen.get("running", 0),
-                      "serving_version": seen.get("serving_version")}
+                      "serving_version": seen.get("serving_version"), "finished": seen.get("finished", finish_counts({}))}
             if self.cfg.distill.enabled:
                 out[e]["versions"] = await asyncio.to_thread(self._versions, e)
         return {"experts": out}

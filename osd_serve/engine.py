@@ -11,7 +11,7 @@ import logging
 import secrets
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
@@ -84,6 +84,9 @@ class SpecEngine:
         self.max_model_len = min(self.config.max_model_len, max_positions(target.config), max_positions(draft.config))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Requests that have left, by finish_reason (output.FINISH_REASONS): /admin/experts reports them,
+        # and "abort" is what shows that a client that went away stopped its row rather than ran it out.
+        self.finished: Counter[str] = Counter()
         self._target_kv = BatchKV(target, 0, self.device)
         self._draft_kv = BatchKV(draft, 0, self.device)
         self._rows: RowState | None = None
@@ -129,7 +132,10 @@ class SpecEngine:
         for r in list(requests):
             if not r.finished:
                 r.finish_reason = "abort"
-        self.waiting = deque(r for r in self.waiting if not r.finished)
+        left = [r for r in self.waiting if r.finished]  # queued ones leave now; running rows at the next step
+        if left:
+            self.finished.update(r.finish_reason for r in left)
+            self.waiting = deque(r for r in self.waiting if not r.finished)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -137,6 +143,8 @@ class SpecEngine:
     def reset(self) -> None:
         """Forget every request and cache, e.g. after a step raised (the caller ends the requests).
         In place, not a new engine: distillers and version watchers hold this object."""
+        for r in itertools.chain(self.waiting, self.running):  # the caller ends them with an error
+            self.finished["abort" if r.finish_reason == "abort" else "error"] += 1
         self.waiting = deque()
         self._empty_batch()
         if self.recorder is not None:  # their traces would wait for a finish that never comes
@@ -315,9 +323,10 @@ class SpecEngine:
         return kv
 
     def _drop_finished(self) -> None:
-        if self.recorder is not None:
-            for r in self.running:
-                if r.finished:
+        for r in self.running:
+            if r.finished:
+                self.finished[r.finish_reason] += 1
+                if self.recorder is not None:
                     self.recorder.finish(r)
         keep = [i for i, r in enumerate(self.running) if not r.finished]
         if len(keep) == len(self.running):

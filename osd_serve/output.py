@@ -102,6 +102,16 @@ class Completion:
         return len(self.token_ids) / self.steps if self.steps else 0.0
 
 
+# How a request can end. "abort": stopped from outside (its client went away); "error": its step
+# failed, or the target's logits for it were NaN.
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+def finish_counts(counts) -> dict[str, int]:
+    """{reason: count} over FINISH_REASONS, zeros included (a stable schema for /admin/experts)."""
+    return {r: counts.get(r, 0) for r in FINISH_REASONS}
+
+
 @dataclass
 class StreamDelta:
     request_id: str

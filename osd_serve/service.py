@@ -18,6 +18,7 @@ from .distill.recorder import RecordConfig, Recorder
 from .distill.replay import BufferConfig, ReplayBuffer
 from .distill.trainer import DistillTrainer, TrainConfig
 from .distill.versions import VersionStore, VersionWatcher, claim_slot
+from .output import finish_counts
 from .serving import AsyncSpecServer
 from .telemetry import Telemetry
 
@@ -150,6 +151,7 @@ class SpecService:
         for name, eng in self.server.engines.items():
             dist = self.distillers.get(name)
             out[name] = {"serving_version": eng.draft_version, "running": len(eng.running), "waiting": len(eng.waiting),
+                         "finished": finish_counts(eng.finished),
                          "versions": dist.store.versions if dist else self._watched_versions(name),
                          "updates": len(dist.updates) if dist else 0,
                          "buffer_bytes": dist.buffer.nbytes if dist else 0, "last_error": dist.error if dist else None}

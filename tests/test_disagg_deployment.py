@@ -294,13 +294,49 @@ def test_a_failed_step_ends_the_request_with_the_apis_error(tok):
     from deployments.config import AppConfig
 
     cfg = AppConfig(distill={"enabled": False})
-    backend, _, _ = _backend(tok, cfg, fail_verify_every=3)
+    backend, _, verifier = _backend(tok, cfg, fail_verify_every=3)
     client = TestClient(make_app(backend, cfg))
     body = {"prompt": "def g(", "max_tokens": 40, "ignore_eos": True, "temperature": 0}
     r = client.post("/v1/completions", json=body)
     assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
     events = client.post("/v1/completions", json=body | {"stream": True}).text.strip().split("\n\n")
     assert '"error"' in events[-2] and events[-1] == "data: [DONE]"
+    for _ in range(200):  # the releases run in the background, after the response
+        if len(verifier.ends) == 2:
+            break
+        time.sleep(0.01)
+    # released as failed, not as a client gone away ("abort" in /admin/experts' finished counts)
+    assert [finish for _, finish, _ in verifier.ends] == ["error", "error"]
+
+
+def test_the_verifier_counts_released_sequences_by_how_they_ended():
+    """/admin/experts' "finished" (disaggregated): what the router reported at each release, a
+    release with no finish_reason being a client that went away."""
+    pytest.importorskip("ray.serve")
+    from collections import Counter, OrderedDict, defaultdict
+    from types import SimpleNamespace
+
+    import deployments.disagg as dd
+
+    verifier = dd.Verifier.func_or_class
+    v = SimpleNamespace(live={"s1": ("sql", time.monotonic()), "s3": ("sql", time.monotonic())}, released=OrderedDict(),
+                        versions={"sql": 2}, finished=defaultdict(Counter), core=SimpleNamespace(release=lambda seq_id: None),
+                        telemetry=SimpleNamespace(on_request=lambda *a: None))
+
+    async def run(fn, *args):
+        return fn(*args)
+
+    v._run, v._forget_idle = run, lambda now: verifier._forget_idle(v, now)
+
+    async def main():
+        await verifier.release(v, "s1", "sql", 0.5, finish_reason="length")
+        await verifier.release(v, "s2", "default", 0.1)  # its client went away
+        return await verifier.running(v)
+
+    assert asyncio.run(main()) == {
+        "sql": {"running": 1, "serving_version": 2, "finished": {"stop": 0, "length": 1, "abort": 0, "error": 0}},
+        "default": {"running": 0, "serving_version": None, "finished": {"stop": 0, "length": 0, "abort": 1, "error": 0}},
+    }
 
 
 def test_chat_without_a_limit_runs_to_the_end_of_the_context_disaggregated(tok):

@@ -91,3 +91,25 @@ def test_output_that_a_byte_fallback_decoder_rewrites_fails_no_step(tok):
         for d in SpecEngine(target, target, sp).stream([[1, the]], replace(params, num_speculative_tokens=k)):
             ids += d.token_ids
         assert ids == broken.token_ids
+
+
+def test_the_engine_counts_how_requests_ended(tok, target):
+    """engine.finished (what /admin/experts reports as "finished") counts each request once, when it
+    leaves: run out, stopped, aborted while queued or while running, or ended by a reset."""
+    eng = SpecEngine(target, perturbed(target, 0.015), tok, EngineConfig(max_batch_size=2, max_model_len=64))
+    params = SamplingParams(max_tokens=6, num_speculative_tokens=3, ignore_eos=True)
+    eng.generate([[10, 20], [11, 21, 31]], params)
+    assert dict(eng.finished) == {"length": 2}
+    first = eng.generate([[12, 22]], params)[0].text
+    eng.generate([[12, 22]], replace(params, stop=[first[2:4]]))  # the greedy output again, cut at its 3rd character
+    assert dict(eng.finished) == {"length": 3, "stop": 1}
+    running, _, queued = (eng.add_request([13 + i, 23], replace(params, max_tokens=40)) for i in range(3))
+    eng.step()  # two rows run, the third waits for a slot
+    eng.abort(queued)  # leaves the queue at once
+    assert eng.finished["abort"] == 1 and len(eng.waiting) == 0
+    eng.abort(running)  # leaves the batch at the next step
+    eng.step()
+    assert eng.finished["abort"] == 2 and len(eng.running) == 1
+    eng.reset()  # after a failed step: the server ends what was left with an error
+    assert dict(eng.finished) == {"length": 3, "stop": 1, "abort": 2, "error": 1}
+    assert not eng.has_unfinished()

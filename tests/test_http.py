@@ -320,20 +320,28 @@ def test_admin_update_and_rollback(client):
 
 
 def test_a_client_that_goes_away_frees_its_row(service):
+    """Its row is aborted, not run out: a row left to decode leaves the batch too, once it reaches
+    max_tokens, so "freed" alone would pass without the abort."""
     svc, _, _, _ = service
+    eng = svc.server.engines["default"]
+    before = dict(eng.finished)
 
     async def run():
         gen = svc.stream("default", "def g(", SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
         await gen.__anext__()
         await gen.aclose()  # what Starlette does when the client disconnects
         for _ in range(100):
-            eng = svc.server.engines["default"]
             if not eng.running and not eng.waiting:
                 return True
             await asyncio.sleep(0.05)
         return False
 
     assert asyncio.run(run())
+    assert eng.finished["abort"] == before.get("abort", 0) + 1
+    assert eng.finished["length"] == before.get("length", 0)
+    info = asyncio.run(svc.admin_experts())["experts"]["default"]["finished"]
+    assert info == {"stop": eng.finished["stop"], "length": eng.finished["length"], "abort": eng.finished["abort"],
+                    "error": eng.finished["error"]}
 
 
 def test_the_service_ends_every_request_in_telemetry_with_its_finish(service, monkeypatch):

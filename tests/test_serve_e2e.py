@@ -4,6 +4,7 @@ serve_config.yaml (tiny models built here, small replicas, fast triggers). One c
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import socket
 import subprocess
@@ -152,18 +153,38 @@ def _experts(base):
 
 
 @pytest.mark.parametrize("prefix", ["", "/disagg"], ids=["colocated", "disaggregated"])
-def test_a_client_disconnect_frees_its_sequence(server, prefix):
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+def test_a_client_disconnect_frees_its_sequence(server, prefix, stream):
+    """The sequence is aborted, not run out: it would also leave once it reached the end of the tiny
+    model's context (256 positions, seconds), so "running" going to 0 alone would pass without the abort."""
     base, *_ = server
     base += prefix
-    with httpx.stream("POST", f"{base}/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
-                      json={"prompt": "def g(", "max_tokens": 1500, "temperature": 0, "stream": True, "ignore_eos": True,
-                            "expert": "default"}) as r:
-        next(r.iter_lines())
+    before = _experts(base)["default"]["finished"]
+    body = {"prompt": "def g(", "max_tokens": 200, "temperature": 0, "stream": stream, "ignore_eos": True, "expert": "default"}
+    if stream:
+        with httpx.stream("POST", f"{base}/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                          json=body) as r:
+            next(r.iter_lines())
+    else:  # the client hangs up while its whole completion is being generated (k = 0: the slowest)
+        raw = json.dumps(body | {"num_speculative_tokens": 0}).encode()
+        host, port = base.removeprefix("http://").split("/")[0].split(":")
+        with socket.create_connection((host, int(port)), timeout=30) as conn:
+            conn.sendall(f"POST {prefix}/v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+                         f"Content-Type: application/json\r\nContent-Length: {len(raw)}\r\n\r\n".encode() + raw)
+            for _ in range(200):
+                if _experts(base)["default"]["running"]:
+                    break
+                time.sleep(0.02)
+            else:
+                pytest.fail("the sequence was never seen running")
     for _ in range(60):
-        if _experts(base)["default"]["running"] == 0:
-            return
+        info = _experts(base)["default"]
+        if info["running"] == 0 and info["finished"]["abort"] > before["abort"]:
+            break
         time.sleep(0.5)
-    pytest.fail("the aborted sequence is still running")
+    else:
+        pytest.fail(f"the abandoned sequence was not aborted: {info}")
+    assert info["finished"]["abort"] == before["abort"] + 1 and info["finished"]["length"] == before["length"], info
 
 
 @pytest.mark.parametrize("prefix", ["", "/disagg"], ids=["colocated", "disaggregated"])
