@@ -104,3 +104,12 @@ def test_no_positions_give_zero_with_or_without_a_mask(fn):
     """An empty batch was 0 with a mask and NaN without one (mean() of nothing)."""
     s = torch.zeros(0, 5, requires_grad=True)
     assert float(fn(s, torch.zeros(0, 5))) == 0.0 == float(fn(s, torch.zeros(0, 5), mask=torch.zeros(0, dtype=torch.bool)))
+
+
+@pytest.mark.parametrize("fn", ALL)
+def test_a_temperature_divides_both_the_student_and_the_teacher_logits(fn, logits):
+    """Distillation at temperature T compares softmax(s / T) with softmax(t / T). Only bad temperatures
+    were tested, so a loss that left the teacher (or the student) at T = 1 passed."""
+    s, t = logits
+    assert float(fn(s, t, temperature=2.5)) == pytest.approx(float(fn(s / 2.5, t / 2.5)), rel=1e-5)
+    assert float(fn(s, t, temperature=2.5)) != pytest.approx(float(fn(s, t)), rel=1e-2)  # the temperature matters here

@@ -134,3 +134,41 @@ def test_a_data_file_name_that_is_not_utf8_labels_the_stream_as_text(tmp_path):
     assert [s["source"] for s in stream] == ["a.jsonl", "caf?.jsonl"] and stream[1]["where"] == f"{odd}:1"
     run = {"per_request": [{"acceptance": 0.5}] * 2}
     plot_alpha({"runs": {"online": run}, "sources": [s["source"] for s in stream]}, tmp_path / "alpha.png")
+
+
+def test_a_shift_takes_max_requests_from_equal_shares_of_the_files_in_order(tmp_path):
+    """Sequential order is a shift: each file in turn gives ceil(max_requests / files) of its records,
+    and the stream is cut at max_requests. A floor share gave 4 requests for --max-requests 5 over two
+    files, and none at all from any file for fewer requests than files."""
+    a = _jsonl(tmp_path / "a.jsonl", [{"q": f"a{i}"} for i in range(10)])
+    b = _jsonl(tmp_path / "b.jsonl", [{"q": f"b{i}"} for i in range(10)])
+    assert [s["source"] for s in load_stream([a, b], max_requests=5)] == ["a.jsonl"] * 3 + ["b.jsonl"] * 2
+    assert [s["source"] for s in load_stream([a, b], max_requests=1)] == ["a.jsonl"]
+    assert len(load_stream([a, b])) == 20 and len(load_stream([a, b], order="shuffle", max_requests=5)) == 5
+
+
+def test_the_offline_bound_trains_on_a_uniform_sample_of_the_stream(tok, monkeypatch):
+    """The static run records every verified position into a reservoir of --buffer-mb, whatever
+    eviction the online run uses, and the offline copy trains on uniform minibatches of it (no recency
+    share): keeping or favouring the newest records biased the bound toward the stream's last domain."""
+    import random
+
+    from tests.conftest import llama
+
+    from osd_serve import replay as rp
+    from osd_serve.config import SamplingParams
+    from osd_serve.distill.replay import BufferConfig
+    from osd_serve.distill.trainer import DistillTrainer, TrainConfig
+
+    target, draft = llama(len(tok), seed=0), llama(len(tok), seed=1)
+    eng, buf = rp._static_engine(target, draft, tok, None, BufferConfig(eviction="fifo"), 0)
+    assert buf.cfg.eviction == "reservoir"
+    rng = random.Random(0)
+    outs = eng.generate([[rng.randrange(3, len(tok)) for _ in range(4)] for _ in range(3)],
+                        SamplingParams(max_tokens=4, num_speculative_tokens=2))
+    records = buf.shard("default").records
+    assert sorted(len(r.positions) for r in records) == sorted(len(c.token_ids) for c in outs)
+    cfgs = []
+    monkeypatch.setattr(rp, "DistillTrainer", lambda d, cfg, **kw: (cfgs.append(cfg), DistillTrainer(d, cfg, **kw))[1])
+    _, stats = rp._train_offline(draft, buf, TrainConfig(recent_fraction=0.5, batch_size=2), len(tok), 1)
+    assert cfgs[0].recent_fraction == 0.0 and stats["train_records"] == len(records) == 3
