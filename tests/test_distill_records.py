@@ -57,6 +57,19 @@ def test_guard_every_1_makes_every_request_a_guard_sample():
     assert [r.heldout for r in out] == [True] * 3 and [r.positions.tolist() for r in out] == [[0, 1, 2], [0], [0, 1]]
 
 
+def test_positions_a_stop_or_max_tokens_cut_off_are_not_recorded():
+    """A step verifies k + 1 positions, but max_tokens (or a stop string) can end the request after
+    the first few: a record must hold the target's distributions for the response it has, never for
+    a token that was cut (it would train the draft to predict past the end of the response)."""
+    out = []
+    rec = Recorder(RecordConfig("all"), on_finish=lambda r, t: out.append(r))
+    p, q = torch.softmax(torch.randn(1, 4, 8), -1), torch.softmax(torch.randn(1, 3, 8), -1)
+    rec.observe_probs([("a", "default")], p, q, [3], [3], [0], [0])  # 4 positions verified
+    rec.finish(SimpleNamespace(request_id="a", prompt_ids=[1], output_ids=[5, 6]))  # 2 kept by max_tokens
+    assert out[0].positions.tolist() == [0, 1] and out[0].response_ids.tolist() == [5, 6]
+    assert torch.equal(out[0].probs, p[0, :2].half())
+
+
 # ---- the buffer -------------------------------------------------------------------------------------
 def _rec(n: int = 2) -> object:
     return make_record([1, 2, 3], [4, 5, 6], list(range(n)), torch.full((n, 50), 0.02))
