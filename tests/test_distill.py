@@ -291,6 +291,8 @@ def test_online_distiller_in_background_publishes_and_stays_lossless(models, tok
         dist.stop()
     assert [c.token_ids for c in outs] == refs + refs
     assert dist.updates, "no update ran"
+    # "publishes": without one, the checks below would hold at version 0 with the initial draft
+    assert any(u.published for u in dist.updates), [u.reason for u in dist.updates]
     # a version published after the last step is applied at the next one
     assert eng.generate([prompts[0]], SamplingParams(max_tokens=20, num_speculative_tokens=4, ignore_eos=True))[0].token_ids == refs[0]
     assert eng.draft_version == dist.store.current
