@@ -284,6 +284,59 @@ def test_readiness_reads_the_controllers_replica_count_one_call_at_a_time(monkey
 
 
 
+def test_readiness_keeps_its_last_answer_through_a_failing_controller(monkeypatch):
+    """A controller call that raises is not a 503: the last answer stands (serving goes on without the
+    controller) and, past GRACE_S, comes with a warning that gives the failure; the next good answer
+    clears it. The first check waits for the first answer however long it takes (there is none to
+    stand). Readiness's clock is a fake one here, stepped by the test."""
+    pytest.importorskip("ray.serve")
+    import threading
+    from types import SimpleNamespace
+
+    from ray.serve._private.common import DeploymentStatus
+
+    import deployments.app as app
+
+    running = SimpleNamespace(status=DeploymentStatus.HEALTHY, message="", replica_states={"RUNNING": 1})
+    healthy = SimpleNamespace(applications={"osd": SimpleNamespace(deployments={"SpecServer": running})})
+    clock, gate, fail = [1000.0], threading.Event(), [False]
+
+    def serve_status():
+        gate.wait(10)  # closed: a controller slow to answer
+        if fail[0]:
+            raise ConnectionError("controller unreachable")
+        return healthy
+
+    monkeypatch.setattr(app.serve, "get_replica_context", lambda: SimpleNamespace(app_name="osd"))
+    monkeypatch.setattr(app.serve, "status", serve_status)
+    monkeypatch.setattr(app, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(app.Readiness, "GRACE_S", 30.0)
+
+    async def run():
+        r = app.Readiness(["SpecServer"])
+        monkeypatch.setattr(app.Readiness, "REFRESH_S", 0.1)
+        first = asyncio.ensure_future(r.check())
+        await asyncio.sleep(0.5)
+        assert not first.done()  # still waiting for the first answer, past REFRESH_S
+        gate.set()
+        assert await first is None
+        # REFRESH_S of real time is how long a check waits for a refresh: long, so each lands
+        monkeypatch.setattr(app.Readiness, "REFRESH_S", 5.0)
+        fail[0], clock[0] = True, clock[0] + 6
+        assert await r.check() is None  # the refresh raised: the last answer stands
+        clock[0] += 40
+        assert await r.check() == "the Serve controller has not answered for 46 s (ConnectionError: controller unreachable)"
+        fail[0], clock[0] = False, clock[0] + 6
+        assert await r.check() is None  # answered again
+        monkeypatch.setattr(app.Readiness, "REFRESH_S", 0.1)
+        gate.clear()  # slow now, not failing: the earlier failure is not this warning's cause
+        clock[0] += 40
+        assert await r.check() == "the Serve controller has not answered for 40 s"
+        gate.set()
+
+    asyncio.run(run())
+
+
 def test_a_failed_step_ends_the_request_with_the_apis_error(tok):
     """A verify call that raised (a replica died, a batch failed) escaped the backend: a bare text 500,
     or a stream cut off with no error event and no [DONE]. Now it ends as a colocated failure does."""
