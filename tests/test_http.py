@@ -312,6 +312,9 @@ def test_admin_update_and_rollback(client):
     oldest = info["versions"][0]
     r = client.post(f"/admin/experts/default/rollback?to={oldest}", headers=adm)
     assert r.status_code == 200 and r.json()["serving_version"] == oldest
+    # the rollback is in the metrics history (and W&B), with the version it went back to
+    rows = client.get("/admin/metrics", headers=adm).json()["history"]
+    assert any(row.get("rollback/default") == 1 and row.get("version/default") == oldest for row in rows), rows[-3:]
     r = client.post("/admin/experts/default/rollback?to=99", headers=adm)
     assert r.status_code == 404 and r.json()["error"]["message"].startswith("draft version 99 is not kept")
     r = client.post("/admin/experts/default/rollback?to=abc", headers=adm)  # FastAPI's own check: still OpenAI's shape
