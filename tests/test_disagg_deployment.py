@@ -214,7 +214,7 @@ def test_readiness_reads_the_controllers_replica_count_one_call_at_a_time(monkey
 
     def serve_status():
         calls.append(threading.current_thread().name)
-        gate.wait()
+        gate.wait(30)  # bounded: a failing assertion leaves no thread blocked for the rest of the run
         return now["status"]
 
     monkeypatch.setattr(app.serve, "get_replica_context", lambda: SimpleNamespace(app_name="osd"))
