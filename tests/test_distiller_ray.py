@@ -13,6 +13,7 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("ray.train")
 
 from deployments.distiller import BUFFER_NAME, NAMESPACE, DistillController, ReplayBufferActor, idle_per_node, plan_workers  # noqa: E402
+from osd_serve.distill.guard import GuardConfig, evaluate, split_for_guard  # noqa: E402
 from osd_serve.distill.versions import VersionStore  # noqa: E402
 from tests.conftest import llama, perturbed  # noqa: E402
 from tests.test_distill import _prompts, _records  # noqa: E402
@@ -101,7 +102,17 @@ def test_buffer_actor_keeps_refs_bounded_by_bytes(cluster, data):
 
 
 def test_controller_trains_guards_and_publishes(cluster, gpus_busy, data, tmp_path):
-    _, path, train, held, _ = data
+    """It trains from the store's current version and guards against it: here version 1, an earlier
+    job's output, not the draft on disk (version 0), which a guard against it would also let through."""
+    draft, path, train, held, vocab = data
+    store = VersionStore(tmp_path / "versions" / "default")
+    store.publish({n: t.clone() for n, t in draft.state_dict().items()}, {"reason": "initial draft"})
+    current = perturbed(draft, 0.05, seed=7)  # stands in for version 1
+    store.publish({n: t.clone() for n, t in current.state_dict().items()})
+    _, idx = split_for_guard([False] * len(train) + [True] * len(held), GuardConfig(max_heldout=12))
+    held_slice = [(train + held)[i] for i in idx]  # what the controller holds out of the buffer's records
+    scores = [evaluate(m, held_slice, vocab)["expected_acceptance"] for m in (draft, current)]
+    assert abs(scores[0] - scores[1]) > 1e-3  # the two are told apart
     buf = ReplayBufferActor.options(name=BUFFER_NAME, get_if_exists=True).remote(
         {"max_bytes": 1 << 30, "trigger_records": len(train) + len(held), "trigger_age_s": 3600})
     ctl = DistillController.remote(path, str(tmp_path / "versions"), {"lr": 3e-3}, 40, max_workers=2, heldout=12)
@@ -118,10 +129,10 @@ def test_controller_trains_guards_and_publishes(cluster, gpus_busy, data, tmp_pa
     assert ev["published"], ev
     # rank 0's metrics reach the event (single-batch losses: first against last would be noise)
     assert ev["steps"] > 0 and all(math.isfinite(ev[k]) for k in ("loss_first", "loss_last")), ev
-    store = VersionStore(tmp_path / "versions" / "default")
+    assert ev["serving"]["expected_acceptance"] == pytest.approx(scores[1], abs=1e-5)  # guarded against version 1
     # the Train job (2 CPU workers, gradients all-reduced) raised held-out alpha-hat over the serving draft
-    assert store.refresh() == 1 and ev["candidate"]["expected_acceptance"] > ev["serving"]["expected_acceptance"] + 0.02
-    assert torch.is_tensor(next(iter(store.load(1).values())))
+    assert store.refresh() == 2 and ev["candidate"]["expected_acceptance"] > ev["serving"]["expected_acceptance"] + 0.02
+    assert torch.is_tensor(next(iter(store.load(2).values())))
     runs = tmp_path / "versions" / "ray_train"  # each run's checkpoint is a full draft: removed once loaded
     assert not runs.exists() or not any(p.name.startswith("distill-") for p in runs.iterdir())
 
