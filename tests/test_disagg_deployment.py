@@ -17,9 +17,10 @@ class _Handle:
     """A stand-in for a Ray Serve DeploymentHandle that notes which Serve request each call is a child of."""
 
     def __init__(self, **methods):
-        self.methods, self.calls = methods, []
+        self.methods, self.calls, self.options_given = methods, [], []
 
-    def options(self, **_):
+    def options(self, **kwargs):
+        self.options_given.append(kwargs)
         return self
 
     def __getattr__(self, name):
@@ -40,6 +41,7 @@ def _backend(tok, cfg, fail_verify_every: int = 0):
     target = llama(len(tok), seed=3)
     worker, verifier = DraftWorker(perturbed(target, 0.05), len(tok)), TargetVerifier(target, len(tok))
     verifier.ends = []  # (expert, finish_reason, record keys) of each release
+    verifier.released_ids = []
     n = {"verify": 0}
 
     async def propose(item):
@@ -56,6 +58,7 @@ def _backend(tok, cfg, fail_verify_every: int = 0):
 
     async def release_target(seq_id, expert, latency_s, *, finish_reason=None, **record):
         verifier.release(seq_id)
+        verifier.released_ids.append(seq_id)
         verifier.ends.append((expert, finish_reason, sorted(record)))
 
     backend = DisaggBackend(cfg)
@@ -93,6 +96,12 @@ def test_a_request_that_ends_early_still_releases_its_sequence(tok):
     assert not verifier.caches.tokens and not worker.caches.tokens  # both sides freed the sequence
     # unfinished (left out of latency), with its replay record as keywords (distillation is on)
     assert verifier.ends == [("default", None, ["output_ids", "prompt_ids"])]
+    # Every call, releases included, goes through handles carrying the sequence's routing keys: the
+    # expert (Serve's multiplexing: a call without it reaches a replica as expert '') and the sequence
+    # id (the Verifier's consistent hashing: without it every step lands on any replica and recomputes
+    # the whole history). The stand-in handles ignore both, so only this looks.
+    assert backend.drafts.options_given == [{"multiplexed_model_id": "default"}]
+    assert backend.verifier.options_given == [{"session_id": verifier.released_ids[0]}]
 
 
 def test_the_verifier_stops_counting_a_sequence_whose_release_never_came(monkeypatch):
