@@ -71,3 +71,30 @@ def test_the_caches_keep_at_most_max_seqs_detached_rows_least_recently_used_out(
     assert hit.recomputed == 0 and miss.recomputed == len(prompts[0]) - 1
     # and a recomputed sequence's verdict is still the target's
     assert hit.tokens == _hf_greedy(target, prompts[3], 1) and miss.tokens == _hf_greedy(target, prompts[0], 1)
+
+
+def test_a_batch_that_keeps_its_sequences_squeezes_out_its_holes(target):
+    """Four sequences verified together every step, each accepting all 8 drafts one step in four and
+    none the others: rejected columns pile up as holes in the slab (the batch never changes, so it is
+    never re-merged). Past half holes the slab is compacted, as the colocated engine does; without that
+    it grew by 9 columns a step while its longest row grew by 3 (attention reads them all). The
+    end-to-end test of this passed without the compaction, as its last batches held one sequence."""
+    vocab = target.config.vocab_size
+    prompts = [[5 + i, 9, 12, 20] for i in range(4)]
+    refs = [_hf_greedy(target, p, 60) for p in prompts]
+    ver, s = TargetVerifier(target, vocab), Sampling()
+    out = [[] for _ in prompts]
+    widest = 0
+    for step in range(12):
+        items = []
+        for i, (p, ref, o) in enumerate(zip(prompts, refs, out)):
+            n = len(o)
+            draft = ref[n : n + 8] if step % 4 == i else [(ref[n] + 1) % vocab] * 8  # all right, or wrong at once
+            items.append(VerifyItem(f"s{i}", p + o, draft, None, s))
+        verdicts, _ = ver.verify(items)
+        for o, v in zip(out, verdicts):
+            o += v.tokens
+        slab = ver.caches.slab
+        widest = max(widest, slab.width - 2 * int(slab.length.max()))
+    assert out == [ref[: len(o)] for ref, o in zip(refs, out)]  # the target's tokens throughout
+    assert widest <= 9  # at most one step's columns (k + 1) past twice the longest row
