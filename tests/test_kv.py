@@ -255,3 +255,22 @@ def test_a_forward_that_raises_part_way_leaves_the_cache_as_it_was(tok):
     with torch.inference_mode():
         want = model(torch.cat([ids, ids[:, :1]], 1)).logits[:, -1]
     assert torch.allclose(got, want, atol=1e-5)
+
+
+@torch.inference_mode()
+def test_select_keeps_the_chosen_rows_and_compacts_when_the_long_ones_leave(tok):
+    """select() keeps the given rows' columns and lengths, and when the rows that left were the long
+    ones, squeezes the holes out at once (width = the longest kept row). The engine compacts again at
+    the end of a step, so its tests passed with select's own compaction gone; a row aborted between
+    steps then ran a whole step in the wide cache."""
+    model = llama(len(tok), layers=2, seed=8)
+    kv = BatchKV(model, 3, torch.device("cpu"))
+    ids = torch.randint(3, len(tok), (3, 20), generator=torch.Generator().manual_seed(2))
+    lens = torch.tensor([20, 3, 8])
+    kv.forward(ids, torch.arange(20)[None, :] < lens[:, None])
+    want = [_row_cache(kv, i, 1).clone() for i in (2, 1)]
+    kv.select(torch.tensor([2, 1]), compact_above=0.5)
+    assert kv.length.tolist() == [8, 3] and kv.width == 8  # holes were 60% of the columns
+    assert all(torch.equal(_row_cache(kv, i, 1), w) for i, w in enumerate(want))
+    kv.select(torch.tensor([1]), compact_above=1.0)  # 1.0: never compact
+    assert kv.length.tolist() == [3] and kv.width == 8 and torch.equal(_row_cache(kv, 0, 1), want[1])
