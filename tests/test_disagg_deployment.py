@@ -104,21 +104,6 @@ def test_a_request_that_ends_early_still_releases_its_sequence(tok):
     assert backend.verifier.options_given == [{"session_id": verifier.released_ids[0]}]
 
 
-def test_the_verifier_stops_counting_a_sequence_whose_release_never_came(monkeypatch):
-    pytest.importorskip("ray.serve")
-    import deployments.disagg as dd
-
-    v = type("V", (), {})()
-    v.live = {"a": ("default", 0.0), "b": ("sql", 500.0)}  # least recently verified first, as verify keeps it
-    forget = dd.Verifier.func_or_class._forget_idle
-    forget(v, 550.0)  # a verified 550 s ago, b 50 s ago: both within IDLE_SEQUENCE_S
-    assert list(v.live) == ["a", "b"]
-    forget(v, 601.0)
-    assert v.live == {"b": ("sql", 500.0)}
-    forget(v, 1101.0)
-    assert v.live == {}
-
-
 def test_the_router_sets_up_once_off_its_event_loop(monkeypatch):
     """The first request loads the tokenizer, and on a node without the default pair builds it
     (minutes): in a thread, once, while the event loop keeps answering (/health included)."""
@@ -291,8 +276,6 @@ def test_readiness_reads_the_controllers_replica_count_one_call_at_a_time(monkey
     asyncio.run(slow_controller())
 
 
-
-
 def test_readiness_keeps_its_last_answer_through_a_failing_controller(monkeypatch):
     """A controller call that raises is not a 503: the last answer stands (serving goes on without the
     controller) and, past GRACE_S, comes with a warning that gives the failure; the next good answer
@@ -371,36 +354,6 @@ def test_a_failed_step_ends_the_request_with_the_apis_error(tok):
     assert [finish for _, finish, _ in verifier.ends] == ["error", "error"]
 
 
-def test_the_verifier_counts_released_sequences_by_how_they_ended():
-    """/admin/experts' "finished" (disaggregated): what the router reported at each release, a
-    release with no finish_reason being a client that went away."""
-    pytest.importorskip("ray.serve")
-    from collections import Counter, OrderedDict, defaultdict
-    from types import SimpleNamespace
-
-    import deployments.disagg as dd
-
-    verifier = dd.Verifier.func_or_class
-    v = SimpleNamespace(live={"s1": ("sql", time.monotonic()), "s3": ("sql", time.monotonic())}, released=OrderedDict(),
-                        versions={"sql": 2}, finished=defaultdict(Counter), core=SimpleNamespace(release=lambda seq_id: None),
-                        telemetry=SimpleNamespace(on_request=lambda *a: None))
-
-    async def run(fn, *args):
-        return fn(*args)
-
-    v._run, v._forget_idle = run, lambda now: verifier._forget_idle(v, now)
-
-    async def main():
-        await verifier.release(v, "s1", "sql", 0.5, finish_reason="length")
-        await verifier.release(v, "s2", "default", 0.1)  # its client went away
-        return await verifier.running(v)
-
-    assert asyncio.run(main()) == {
-        "sql": {"running": 1, "serving_version": 2, "finished": {"stop": 0, "length": 1, "abort": 0, "error": 0}},
-        "default": {"running": 0, "serving_version": None, "finished": {"stop": 0, "length": 0, "abort": 1, "error": 0}},
-    }
-
-
 def test_chat_without_a_limit_runs_to_the_end_of_the_context_disaggregated(tok):
     """max_tokens unset (chat's default) is resolved where the router tokenizes the prompt: the rest of
     max_model_len, as colocated (test_http), not an unbounded request the Verifier would run past."""
@@ -423,97 +376,3 @@ def test_chat_without_a_limit_runs_to_the_end_of_the_context_disaggregated(tok):
             break
         time.sleep(0.01)
     assert verifier.ends == [("default", "length", [])]
-
-
-def _verifier(monkeypatch, now: list[float]):
-    """A Verifier's bookkeeping over a core that accepts nothing, on a clock the test sets (now[0]).
-    Returns (verifier, its verify batch body, its telemetry's version events)."""
-    from collections import Counter, OrderedDict, defaultdict
-    from types import SimpleNamespace
-
-    import deployments.disagg as dd
-    from osd_serve.disagg import Verdict
-
-    cls, events = dd.Verifier.func_or_class, []
-    monkeypatch.setattr(dd, "time", SimpleNamespace(monotonic=lambda: now[0], perf_counter=time.perf_counter))
-    core = SimpleNamespace(verify=lambda items: ([Verdict([7], 0, 0) for _ in items], {}), release=lambda seq_id: None)
-    telemetry = SimpleNamespace(on_step=lambda *a: None, on_request=lambda *a: None,
-                                on_event=lambda expert, version: events.append((expert, version)))
-    v = SimpleNamespace(live={}, released=OrderedDict(), versions={}, finished=defaultdict(Counter), recomputed=0,
-                        core=core, telemetry=telemetry)
-
-    async def run(fn, *args):
-        return fn(*args)
-
-    v._run, v._forget_idle = run, lambda t: cls._forget_idle(v, t)
-    return v, lambda items: cls.verify.__wrapped__(v, items), events
-
-
-def _item(seq_id: str, draft: list[int], version: int, expert: str = "sql"):
-    from osd_serve.disagg import Sampling, VerifyItem
-
-    return VerifyItem(seq_id, [3, 4], draft, None, Sampling(), expert, draft_version=version)
-
-
-def test_the_verifier_labels_the_draft_version_from_proposals_only(monkeypatch):
-    """serving_version (/admin/experts) is the draft version of the latest proposal verified. A step
-    with no draft (k = 0: the last token of a request, or num_speculative_tokens 0) carries version 0,
-    the router's default for no proposal: it must not relabel the expert as served by version 0."""
-    pytest.importorskip("ray.serve")
-    v, verify, events = _verifier(monkeypatch, [0.0])
-
-    async def main():
-        await verify([_item("s1", [5], 2)])
-        assert v.versions == {"sql": 2} and events == [("sql", 2)]
-        await verify([_item("s1", [], 0), _item("s2", [5, 6], 2)])  # no draft: no label
-        assert v.versions == {"sql": 2} and events == [("sql", 2)]
-        await verify([_item("s2", [5], 3)])  # a swap reached the DraftPool
-        assert v.versions == {"sql": 3} and events == [("sql", 2), ("sql", 3)]
-
-    asyncio.run(main())
-
-
-def test_the_verifier_counts_live_sequences_by_their_latest_verify(monkeypatch):
-    """live (the running counts of /admin/experts and the distill controller's heartbeat, which reads
-    len(live) without forgetting anything) holds the sequences verified within IDLE_SEQUENCE_S, least
-    recently verified first, and never a released one, even when a verify queued before its release
-    comes after it. Unit tests only drove _forget_idle on a hand-made dict, so verify's part (the
-    reordering, the forgetting, the released check) passed with any of it removed."""
-    pytest.importorskip("ray.serve")
-    import deployments.disagg as dd
-
-    now = [0.0]
-    v, verify, _ = _verifier(monkeypatch, now)
-
-    async def main():
-        await verify([_item("a", [5], 1), _item("b", [5], 1)])
-        now[0] = 500.0
-        await verify([_item("a", [5], 1)])  # a is recent again: it moves behind b
-        assert list(v.live) == ["b", "a"]
-        now[0] = 650.0
-        await verify([_item("c", [5], 1)])  # b idle 650 s: forgotten here, not only when /admin/experts asks
-        assert list(v.live) == ["a", "c"]
-        await dd.Verifier.func_or_class.release(v, "c", "sql", 0.1, finish_reason="length")
-        await verify([_item("c", [5], 1)])  # queued before the release
-        assert list(v.live) == ["a"] and "c" in v.released
-
-    asyncio.run(main())
-
-
-def test_the_released_ids_a_verifier_remembers_are_bounded_newest_kept(monkeypatch):
-    """A replica remembers RELEASED_KEPT released ids (so a verify queued before its release does not
-    count the sequence live again), oldest out: the newest release is the one a queued call can still
-    race. The bound (4096) is never reached in a test run, so it is lowered here."""
-    pytest.importorskip("ray.serve")
-    import deployments.disagg as dd
-
-    monkeypatch.setattr(dd, "RELEASED_KEPT", 2)
-    v, verify, _ = _verifier(monkeypatch, [0.0])
-
-    async def main():
-        for sid in ("s1", "s2", "s3"):
-            await dd.Verifier.func_or_class.release(v, sid, "sql", 0.1, finish_reason="stop")
-        await verify([_item("s3", [5], 1)])  # queued before its release
-
-    asyncio.run(main())
-    assert list(v.released) == ["s2", "s3"] and v.live == {}
