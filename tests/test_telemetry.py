@@ -161,3 +161,20 @@ def test_a_window_reports_the_batch_and_the_k_auto_chose():
     row = t.maybe_log(force=True)
     assert row["auto_k/default"] == 2.0 and row["batch_size/default"] == pytest.approx(14 / 3)
     t.close()
+
+
+def test_each_window_starts_empty_and_p99_is_not_the_maximum():
+    """A row holds its own window only: latencies and per-position acceptance logged once are not
+    carried into the next row; p99 of 100 latencies is the 99th, not the slowest."""
+    from osd_serve.engine import StepStats
+
+    t = Telemetry("disabled", log_every_s=3600.0)
+    for i in range(1, 101):
+        t.on_request("default", float(i), "stop")
+    t.on_step("default", StepStats(1, 2, 1, 1, [1, 0], [1, 1], 2, 0.0, 0.0, 0.0, None))
+    row = t.maybe_log(force=True)
+    assert (row["latency_p50_s"], row["latency_p99_s"]) == (50.0, 99.0), row
+    assert row["alpha_pos/default/0"] == 1.0 and row["alpha_pos/default/1"] == 0.0, row
+    row = t.maybe_log(force=True)
+    assert not any(k.startswith(("latency", "alpha")) for k in row), row
+    t.close()
