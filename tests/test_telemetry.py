@@ -177,4 +177,24 @@ def test_each_window_starts_empty_and_p99_is_not_the_maximum():
     assert row["alpha_pos/default/0"] == 1.0 and row["alpha_pos/default/1"] == 0.0, row
     row = t.maybe_log(force=True)
     assert not any(k.startswith(("latency", "alpha")) for k in row), row
+    t.on_step("default", StepStats(1, 1, 0, 1, [0], [1], 1, 0.0, 0.0, 0.0, None))  # the next window's own step
+    row = t.maybe_log(force=True)
+    assert row["alpha_pos/default/0"] == 0.0 and "alpha_pos/default/1" not in row, row
+    t.close()
+
+
+def test_prometheus_is_a_no_op_outside_ray():
+    """Outside a Ray worker the counters are off: creating Ray metrics there would start (or need) a
+    cluster just for counters. Steps and requests still fill the W&B rows."""
+    ray = pytest.importorskip("ray")
+    if ray.is_initialized():
+        pytest.skip("a Ray cluster is up in this process")
+    from osd_serve.engine import StepStats
+
+    t = Telemetry("disabled", log_every_s=3600.0)
+    assert t.prom.ok is False
+    t.on_step("default", StepStats(1, 1, 1, 0, [1], [1], 2, 0.0, 0.0, 0.0, None))
+    t.on_request("default", 0.5, "stop")
+    row = t.maybe_log(force=True)
+    assert row["alpha/default"] == 1.0 and row["latency_p50_s"] == 0.5 and not ray.is_initialized()
     t.close()
