@@ -260,3 +260,15 @@ def test_calibration_leaves_torchs_global_generator_alone(pair, tok):
     after = torch.rand(3)
     torch.manual_seed(0)
     assert torch.equal(after, torch.rand(3))
+
+
+def test_the_loops_own_time_is_learned_and_favours_longer_steps():
+    """A step's time outside the forwards (L) is measured and added to every k's cost: a large fixed
+    cost per step is amortized over more tokens, so the choice drafts further than without it."""
+    p = policy(1 * MS, LINEAR)
+    assert p.choose(rows(8, 0.77)) == 1
+    for _ in range(400):
+        p.observe(8, 1, draft_seconds=1 * MS, target_seconds=20 * MS, loop_seconds=0.5, accepted=0, tested=0)
+    assert p.overhead == pytest.approx(0.5, rel=1e-3)
+    assert p.step_seconds(8, 1) == pytest.approx(1 * MS + 20 * MS + 0.5, rel=1e-3)
+    assert p.choose(rows(8, 0.77)) > 1
