@@ -14,7 +14,7 @@ from osd_serve.bench_report import summary_table
 from tests.conftest import char_tokenizer
 
 MAX_TOKENS = 8
-SECONDS = {"a": 4.0, "b": 2.0, "b1": 2.5, "b2": 5.0, 0: 4.0, 1: 2.0, 2: 1.6, "auto": 1.8}
+SECONDS = {"a": 4.0, "b": 2.0, "b1": 2.5, "b2": 5.0, 0: 3.2, 1: 2.0, 2: 1.6, "auto": 1.8}
 
 
 class _Model(torch.nn.Module):
@@ -42,7 +42,7 @@ def _stats(k):
     accepts both drafts and the other rejects its first, so 8 of 16 proposed are accepted but alpha,
     per tested position, is 8 / (8 + 4) = 2/3."""
     step = lambda p, a, r: SimpleNamespace(proposed=p, accepted=a, rejected=r, batch_size=2, emitted=a + 2,  # noqa: E731
-                                           prefill_time=0.1, draft_time=0.2, target_time=0.3, auto_k=k)
+                                           prefill_time=0.1, draft_time=0.2 * max(k, 1), target_time=0.3, auto_k=k)
     if k == 0:
         return [step(0, 0, 0) for _ in range(8)]
     if k == 1:
@@ -105,19 +105,24 @@ def test_best_k_is_the_fastest_fixed_k_and_its_ratios_are_the_right_way_up(repor
     """Best k by tokens/s (k=2: 10 tok/s), not by alpha (k=1 has alpha 1); (c)/(a) and (c)/(b) are the
     engine over the baseline, and c and v are draft and k+1-token target costs over a 1-token one."""
     s = report["summary"]["batch_2"]
-    assert s["best_k"] == 2 and s["best_engine_tok_s"] == pytest.approx(10.0)
+    assert s["best_k"] == 2 and s["engine_k0_tok_s"] == pytest.approx(5.0) and s["best_engine_tok_s"] == pytest.approx(10.0)
     assert s["c"] == pytest.approx(0.1) and s["verify_cost_at_best_k"] == pytest.approx(1.2)
     assert s["target_alone_tok_s"] == pytest.approx(4.0) and s["hf_assisted_tok_s"] == pytest.approx(8.0)
-    assert s["speedup_vs_target_alone"] == pytest.approx(2.5) and s["speedup_vs_engine_k0"] == pytest.approx(2.5)
+    # the engine at k=0 (5 tok/s) is not the target alone (4 tok/s): measured/analytic is over the former
+    assert s["speedup_vs_target_alone"] == pytest.approx(2.5) and s["speedup_vs_engine_k0"] == pytest.approx(2.0)
     assert s["speedup_vs_hf_assisted"] == pytest.approx(1.25)
     assert s["speedup_vs_hf_assisted_matched_k"] == pytest.approx(10.0 / (16 / 5.0))  # (b, k matched) at k=2
     assert s["alpha_at_best_k"] == pytest.approx(2 / 3)
     assert s["analytic_speedup_at_best_k"] == pytest.approx(_s(2 / 3, 2, 0.1))
-    assert s["measured_over_analytic"] == pytest.approx(2.5 / _s(2 / 3, 2, 0.1))
-    assert s["measured_over_analytic_measured_v"] == pytest.approx(2.5 / _s(2 / 3, 2, 0.1, 1.2))
+    assert s["measured_over_analytic"] == pytest.approx(2.0 / _s(2 / 3, 2, 0.1))
+    assert s["measured_over_analytic_measured_v"] == pytest.approx(2.0 / _s(2 / 3, 2, 0.1, 1.2))
     k1 = s["per_k"][1]
     assert k1["analytic_speedup"] == pytest.approx(_s(1.0, 1, 0.1)) and k1["speedup_vs_target_alone"] == pytest.approx(2.0)
     assert k1["tokens_over_expected"] == pytest.approx(2.0 / 2)  # 2 tokens per forward, as alpha 1 at k=1 expects
+    k2 = s["per_k"][2]
+    # what is left for the loop: measured over S with v and tokens per forward measured, 2.0 x (2c + v) / 2
+    assert k2["measured_over_analytic_measured_v_tokens"] == pytest.approx(2.0 * (2 * 0.1 + 1.2) / 2.0)
+    assert k2["uncut_tokens_per_target_forward"] == pytest.approx(2.0)  # (8 accepted + 8 rows) / 8 rows
     assert s["auto"]["over_best_k"] == pytest.approx((16 / 1.8) / 10.0)
     assert s["auto"]["over_each_k"][1] == pytest.approx((16 / 1.8) / 8.0)
 
@@ -126,5 +131,15 @@ def test_summary_table_puts_each_number_in_its_column(report):
     """The table's first summary row, column by column: batch, c, best k, alpha, then the tok/s."""
     row = next(ln for ln in summary_table(report, "t").splitlines() if ln.startswith("| 2 | 0.100"))
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells[:8] == ["2", "0.100", "2", "0.667", "4.0", "8.0", "4.0", "10.0"]
+    assert cells[:8] == ["2", "0.100", "2", "0.667", "4.0", "8.0", "5.0", "10.0"]
     assert cells[8:10] == ["2.50", "1.25"] and cells[11] == f"{_s(2 / 3, 2, 0.1):.2f}"
+
+
+def test_full_batch_auto_is_compared_with_the_fastest_fixed_k(report):
+    """Full-batch tok/s counts draft + target time only: k=1 8 tok/s, k=2 (and auto, which ran k=2's
+    steps here) 16 / 2.8; "auto ÷ best k" divides by the fastest fixed k, not the slowest."""
+    from osd_serve.bench_report import full_batch_over_best_k
+
+    full = {(r["name"], r["k"]): r["full_batch_tok_s"] for r in report["results"] if r["name"].startswith("engine")}
+    assert full[("engine", 1)] == pytest.approx(8.0) and full[("engine", 2)] == pytest.approx(16 / 2.8)
+    assert full_batch_over_best_k(report, 2) == pytest.approx((16 / 2.8) / 8.0)
