@@ -38,6 +38,9 @@ def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("e2e")
     tok = char_tokenizer()
     target = llama(len(tok), seed=3)
+    # Room for a long generation (rotary positions, so the weights are unchanged): the disconnect test's
+    # sequence must still be running when its client's hang-up reaches the replica.
+    target.config.max_position_embeddings = 2048
     for name, m in (("target", target), ("draft", perturbed(target, 0.08))):
         m.save_pretrained(tmp / name)
         tok.save_pretrained(tmp / name)
@@ -155,12 +158,14 @@ def _experts(base):
 @pytest.mark.parametrize("prefix", ["", "/disagg"], ids=["colocated", "disaggregated"])
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
 def test_a_client_disconnect_frees_its_sequence(server, prefix, stream):
-    """The sequence is aborted, not run out: it would also leave once it reached the end of the tiny
-    model's context (256 positions, seconds), so "running" going to 0 alone would pass without the abort."""
+    """The sequence is aborted, not run out: a row left to decode also leaves the batch, once it reaches
+    max_tokens, so "running" going to 0 alone would pass without the abort. 1500 tokens take the tiny
+    model several seconds, more than a hang-up takes to reach the replica (200, with a distilled draft,
+    were done before it did)."""
     base, *_ = server
     base += prefix
     before = _experts(base)["default"]["finished"]
-    body = {"prompt": "def g(", "max_tokens": 200, "temperature": 0, "stream": stream, "ignore_eos": True, "expert": "default"}
+    body = {"prompt": "def g(", "max_tokens": 1500, "temperature": 0, "stream": stream, "ignore_eos": True, "expert": "default"}
     if stream:
         with httpx.stream("POST", f"{base}/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
                           json=body) as r:
