@@ -249,12 +249,11 @@ class Verifier(_Batched):
         finish_reason. Async, so it runs on the event loop like verify() and release(), which change
         what it reads: a plain method runs in Ray's thread pool."""
         self._forget_idle(time.monotonic())
-        out = {e: {"running": 0, "serving_version": self.versions.get(e)}
-               for e in {*self.versions, *self.finished, *(e for e, _ in self.live.values())}}
+        experts = {*self.versions, *self.finished, *(e for e, _ in self.live.values())}
+        out = {e: {"running": 0, "serving_version": self.versions.get(e), "finished": finish_counts(self.finished.get(e, {}))}
+               for e in experts}
         for e, _ in self.live.values():
             out[e]["running"] += 1
-        for e, counts in self.finished.items():
-            out[e]["finished"] = finish_counts(counts)
         return out
 
 
