@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import threading
 
 import pytest
 import torch
@@ -322,17 +323,30 @@ def test_admin_update_and_rollback(client):
     assert client.post("/admin/experts/nope/update", headers=adm).status_code == 404
 
 
-def test_a_client_that_goes_away_frees_its_row(service):
+def test_a_client_that_goes_away_frees_its_row(service, monkeypatch):
     """Its row is aborted, not run out: a row left to decode leaves the batch too, once it reaches
     max_tokens, so "freed" alone would pass without the abort."""
     svc, _, _, _ = service
     eng = svc.server.engines["default"]
     before = dict(eng.finished)
+    # The engine thread waits after its first output until the client has hung up, so the row cannot
+    # run out its 200 tokens first, however the two threads are scheduled on a busy machine.
+    hung_up, produced, real_step = threading.Event(), [], eng.step
+
+    def step():
+        if produced:
+            hung_up.wait(10)
+        deltas, stats = real_step()
+        produced.extend(d for d in deltas if d.token_ids)
+        return deltas, stats
+
+    monkeypatch.setattr(eng, "step", step)
 
     async def run():
         gen = svc.stream("default", "def g(", SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
         await gen.__anext__()
         await gen.aclose()  # what Starlette does when the client disconnects
+        hung_up.set()
         for _ in range(100):
             if not eng.running and not eng.waiting:
                 return True
