@@ -213,9 +213,9 @@ def build_app(args: dict | None = None):
     if cfg.topology == "disaggregated":
         from .disagg import DisaggBackend, DraftPool, Verifier
 
-        backend, parts = DisaggBackend(cfg), (DraftPool.bind(cfg.model_dump()), Verifier.bind(cfg.model_dump()))
+        backend, parts = DisaggBackend(cfg), (DraftPool.bind(cfg.without_keys()), Verifier.bind(cfg.without_keys()))
     else:
-        backend, parts = _HandleBackend([e.name for e in cfg.experts]), (SpecServer.bind(cfg.model_dump()),)
+        backend, parts = _HandleBackend([e.name for e in cfg.experts]), (SpecServer.bind(cfg.without_keys()),)
 
     # The FastAPI app needs the config (auth, classifier) now; the backend finds its handles itself,
     # in the replica.

@@ -130,8 +130,9 @@ class AppConfig(_Strict):
     max_prompt_chars: int | None = Field(None, ge=1)
     # Keys: from here or the environment (OSD_API_KEY, OSD_ADMIN_KEY). No api_key: /v1 is open.
     # No admin_key: admin routes are disabled (404), never open.
-    api_key: str | None = None
-    admin_key: str | None = None
+    # repr=False: a logged or printed config never shows them.
+    api_key: str | None = Field(None, repr=False)
+    admin_key: str | None = Field(None, repr=False)
     served_model_name: str = Field("osd-serve", min_length=1)
     distill: DistillConfig = DistillConfig()
     wandb: WandbConfig = WandbConfig()
@@ -146,6 +147,11 @@ class AppConfig(_Strict):
     @property
     def prompt_char_limit(self) -> int:
         return self.max_prompt_chars or 32 * self.max_model_len
+
+    def without_keys(self) -> dict:
+        """The config as a dict for what needs no key (the model deployments, W&B): only the Router
+        checks keys, and a deployment's init args are kept by Serve's controller."""
+        return self.model_dump(exclude={"api_key", "admin_key"})
 
     @field_validator("device")
     @classmethod

@@ -198,7 +198,7 @@ class Verifier(_Batched):
         self.core = TargetVerifier(target, vocab, recorder=recorder)
         w = self.cfg.wandb
         self.telemetry = Telemetry(w.mode, w.project, w.dir, w.log_every_s,
-                                   config=self.cfg.model_dump(exclude={"api_key", "admin_key"}), name=f"osd-verifier-{tag}")
+                                   config=self.cfg.without_keys(), name=f"osd-verifier-{tag}")
         self._configure(self.verify, self.cfg)
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.002)

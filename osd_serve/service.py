@@ -75,7 +75,7 @@ class SpecService:
         drafts = {e.name: expert_draft(base, e.adapter, e.name) for e in cfg.experts}
         econf = EngineConfig(max_batch_size=cfg.max_batch_size, max_model_len=cfg.max_model_len)
         w = cfg.wandb
-        self.telemetry = Telemetry(w.mode, w.project, w.dir, w.log_every_s, config=cfg.model_dump(exclude={"api_key", "admin_key"}),
+        self.telemetry = Telemetry(w.mode, w.project, w.dir, w.log_every_s, config=cfg.without_keys(),
                                    name=f"osd-serve-{replica_tag}")
         self.server = AsyncSpecServer(self.target, self.tokenizer, drafts, econf, on_step=self.telemetry.on_step)
         self.distillers: dict[str, OnlineDistiller] = {}

@@ -1,14 +1,13 @@
-"""Gaps a mutation audit of deployments/config.py, app.py and distiller.py found, tested without a Ray
+"""Gaps a mutation audit of deployments/config.py and app.py found, tested without a Ray
 cluster: each test here failed on a mutant (a changed bound, default, branch or argument) that the
 rest of the suite let pass. Ray's remote machinery is replaced by plain calls; the code under test is
-the deployments' own (the classes behind @serve.deployment and @ray.remote)."""
+the deployments' own (the classes behind @serve.deployment). distiller.py's are in
+test_distiller_mutants.py."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -137,8 +136,23 @@ def test_the_builder_makes_the_deployments_the_shipped_configs_configure(path, m
         assert built[d["name"]].max_ongoing_requests == d["max_ongoing_requests"], d["name"]
     assert len(calls) == 1  # the default pair is built in the build task, where `serve run` shows its progress
     for name, dep in built.items():
-        if name != "Router":  # every model deployment gets the validated config
-            assert dep.init_args == (parse_config(spec["args"]).model_dump(),)
+        if name != "Router":  # every model deployment gets the validated config, less the keys
+            assert dep.init_args == (parse_config(spec["args"]).without_keys(),)
+
+
+@pytest.mark.parametrize("topology", ["colocated", "disaggregated"])
+def test_keys_reach_only_the_router(topology, monkeypatch):
+    """Only the Router checks keys. A deployment's init args are kept by Serve's controller, and a
+    config's repr reaches logs and tracebacks: neither shows a key."""
+    args = {"topology": topology, "distill": {"enabled": False}, "api_key": "sk-only-the-router",
+            "admin_key": "adm-only-the-router"}
+    cfg = parse_config(args)
+    assert "only-the-router" not in repr(cfg) and "only-the-router" not in str(cfg)
+    application, _, _ = _build(monkeypatch, args)
+    for name, dep in _deployments(application).items():
+        if name != "Router":
+            assert "only-the-router" not in repr(dep.init_args) and dep.init_args[0]["max_model_len"] == cfg.max_model_len
+    assert (cfg.api_key, cfg.admin_key) == ("sk-only-the-router", "adm-only-the-router")  # still the Router's
 
 
 def test_disaggregated_without_distillation_is_still_disaggregated(monkeypatch):
@@ -276,228 +290,3 @@ def test_the_handle_backend_routes_by_expert_and_raises_a_replicas_error(monkeyp
     handle = handles[("SpecServer", "osd")]
     assert handle.options_given == [{"stream": True, "multiplexed_model_id": "sql"}]
     assert handle.admin_calls == [("rollback", "sql", 3)] and asked == [["SpecServer"]]
-
-
-# ---- distiller.py: the capacity plan ------------------------------------------------------------------
-
-def test_plan_workers_edges():
-    """One idle GPU is worth a worker; the cap holds; at exactly busy_load the CPUs are left to serving;
-    fractions on different nodes never add up to a worker; and a node's 0.3 CPU holds three 0.1-CPU
-    workers although 0.3 / 0.1 is 2.9999999999999996 in floating point."""
-    assert dist.plan_workers([{"GPU": 1.0}], serve_load=0.9) == {"num_workers": 1, "use_gpu": True}
-    assert dist.plan_workers([{"GPU": 3.0}, {"GPU": 3.0}], serve_load=0.9, max_workers=4)["num_workers"] == 4
-    assert dist.plan_workers([{"CPU": 8.0}], serve_load=0.75) is None
-    assert dist.plan_workers([{"CPU": 8.0}], serve_load=0.74)["num_workers"] == 4
-    assert dist.plan_workers([{"CPU": 0.3}, {"CPU": 0.3}, {"CPU": 0.3}], serve_load=0.0, cpus_per_worker=0.2) == \
-        {"num_workers": 3, "use_gpu": False, "cpus_per_worker": 0.2}  # summed: 0.9 CPU, 4 workers
-    assert dist.plan_workers([{"GPU": 0.5}, {"GPU": 0.5}], serve_load=0.9) is None
-    assert dist.plan_workers([{"CPU": 0.3}], serve_load=0.0, cpus_per_worker=0.1)["num_workers"] == 3
-
-
-# ---- distiller.py: the buffer actor and the controller, their remote calls made plain ------------------
-
-def _cls(actor):
-    return actor.__ray_metadata__.modified_class  # the class behind @ray.remote
-
-
-def _actor(obj):
-    """An actor handle over a plain object: handle.method.remote(*args) is the call (ray.get: identity)."""
-    return SimpleNamespace(**{n: SimpleNamespace(remote=getattr(obj, n)) for n in dir(obj) if not n.startswith("__")})
-
-
-def _polls(n):
-    """The controller's stop event, set after n polls: _loop runs n times on the test's thread."""
-    left = iter([False] * n)
-    return SimpleNamespace(is_set=lambda: next(left, True), wait=lambda s: None)
-
-
-def _rec(expert="default", heldout=False):
-    return SimpleNamespace(expert=expert, nbytes=100, heldout=heldout)
-
-
-@pytest.fixture
-def plain_ray(monkeypatch):
-    """distiller's `ray` with no cluster: get and put are the identity, the buffer actor is a plain one;
-    and no controller thread is started (each test drives _loop itself)."""
-    buffer = _cls(dist.ReplayBufferActor)({"max_bytes": 1 << 20, "trigger_records": 4, "trigger_age_s": 60.0})
-    monkeypatch.setattr(dist, "ray", SimpleNamespace(get=lambda x: x, put=lambda x: x,
-                                                     get_actor=lambda name, namespace: _actor(buffer)))
-    monkeypatch.setattr(dist, "threading", SimpleNamespace(Event=threading.Event,
-                                                           Thread=lambda **kw: SimpleNamespace(start=lambda: None)))
-    return buffer
-
-
-def test_the_buffer_actor_hands_over_guard_flags_and_restarts_the_trigger(plain_ray):
-    for i in range(4):
-        plain_ray.add("sql", _rec("sql", heldout=i == 3), 100)
-    assert plain_ray.due() == {"sql": "size"}
-    refs, flags = plain_ray.take("sql")
-    assert [r.heldout for r in refs] == flags == [False, False, False, True]
-    assert plain_ray.due() == {}  # a new trigger window: the controller does not train the same records again at once
-    assert plain_ray.stats() == {"sql": {"records": 4, "bytes": 400, "seen": 4}}
-
-
-@pytest.fixture(scope="module")
-def draft_dir(tmp_path_factory):
-    from tests.conftest import llama
-
-    d = tmp_path_factory.mktemp("draft")
-    llama(40, hidden=16, layers=1).save_pretrained(d)
-    return str(d)
-
-
-def _controller(plain_ray, monkeypatch, tmp_path, draft_dir, verdict=True, during=None, **kw):
-    """A DistillController over a saved tiny draft, Ray Train and the guard replaced: a "trained" state is
-    its base + 0.01, the guard says `verdict`, during() runs mid-job. Returns (controller, Train calls, guard calls)."""
-    import osd_serve.distill.guard as guard
-    from safetensors.torch import load_file
-
-    trains, checks = [], []
-
-    def train(plan, refs, draft_path, state_path, train_cfg, steps, storage):
-        trains.append(SimpleNamespace(plan=plan, refs=refs, draft_path=draft_path, train_cfg=train_cfg, steps=steps, storage=storage))
-        during and during()
-        return {n: t + 0.01 for n, t in load_file(state_path).items()}, {"steps": steps, "loss_first": 2.0, "loss_last": 1.0}
-
-    def check(candidate, serving, held, vocab, cfg, candidate_state=None, steps_taken=None):
-        checks.append(SimpleNamespace(held=held, vocab=vocab, steps=steps_taken))
-        return guard.Verdict(verdict, "guard's reason", {"expected_acceptance": 0.6}, {"expected_acceptance": 0.5})
-
-    monkeypatch.setattr(dist, "run_train_job", train)
-    monkeypatch.setattr(guard, "check", check)
-    monkeypatch.setattr(dist, "idle_per_node", lambda: [{"GPU": 16.0}])
-    kw = {"max_workers": 16, "heldout": 2, **kw}
-    ctrl = _cls(dist.DistillController)(draft_dir, str(tmp_path / "versions"), {"mode": "full"}, 3, poll_s=3600, **kw)
-    return ctrl, trains, checks
-
-
-def _fill(buffer, n, heldout):
-    for i in range(n):
-        buffer.add("default", _rec(heldout=i >= n - heldout), 100)
-
-
-def test_a_job_trains_on_what_the_guard_does_not_hold_out_and_publishes(plain_ray, monkeypatch, tmp_path, draft_dir):
-    """The configured held-out count (not the guard's default), at most one Train worker per training
-    record (an idle one deadlocks the all-reduce), an initial version to train from, and the controller
-    back to idle with the job in its history."""
-    from osd_serve.distill.versions import VersionStore
-
-    ctrl, trains, checks = _controller(plain_ray, monkeypatch, tmp_path, draft_dir)
-    _fill(plain_ray, 12, heldout=4)
-    states = []
-    update = ctrl._update
-    monkeypatch.setattr(ctrl, "_update", lambda *a: (states.append(ctrl.status()["state"]), update(*a))[1])
-    ctrl._stop = _polls(1)
-    ctrl._loop(0)
-    assert len(checks[0].held) == 2 and len(trains[0].refs) == 10 and trains[0].plan["num_workers"] == 10
-    assert (trains[0].draft_path, trains[0].train_cfg, trains[0].steps) == (draft_dir, {"mode": "full"}, 3)
-    assert trains[0].storage == str(tmp_path / "versions" / "ray_train")
-    assert states == ["training default on {'num_workers': 16, 'use_gpu': True}"] and ctrl.status()["state"] == "idle"
-    [event] = ctrl.history()
-    assert (event["published"], event["version"], event["reason"], event["trigger"]) == (True, 1, "guard's reason", "size")
-    store = VersionStore(tmp_path / "versions" / "default")
-    assert store.refresh() == 1 and store.versions == [0, 1] and store.meta(0)["reason"] == "initial draft"
-
-
-def test_a_refused_candidate_or_a_rollback_meanwhile_publishes_nothing(plain_ray, monkeypatch, tmp_path, draft_dir):
-    from osd_serve.distill.versions import VersionStore
-
-    root = tmp_path / "versions" / "default"
-    _fill(plain_ray, 8, heldout=2)
-    ctrl, _, _ = _controller(plain_ray, monkeypatch, tmp_path, draft_dir, verdict=False)
-    event = ctrl._update("default", "size", {"num_workers": 1, "use_gpu": False})
-    assert (event["published"], event["version"], event["reason"]) == (False, None, "guard's reason")
-    assert VersionStore(root).versions == [0]
-
-    # another publisher (an admin rollback, a second controller) moves the store while the job trains
-    other = lambda: VersionStore(root).publish(VersionStore(root).load(0), {"reason": "elsewhere"})  # noqa: E731
-    ctrl, _, _ = _controller(plain_ray, monkeypatch, tmp_path, draft_dir, during=other)
-    event = ctrl._update("default", "size", {"num_workers": 1, "use_gpu": False})
-    assert (event["published"], event["version"]) == (False, None)
-    assert event["reason"] == "version 0 is no longer current (rolled back or replaced)"
-    store = VersionStore(root)
-    assert store.refresh() == 1 and store.meta(1)["reason"] == "elsewhere" and store.versions == [0, 1]
-
-
-def test_the_controller_keeps_the_configured_number_of_versions(plain_ray, monkeypatch, tmp_path, draft_dir):
-    from osd_serve.distill.versions import VersionStore
-
-    _fill(plain_ray, 8, heldout=2)
-    ctrl, _, _ = _controller(plain_ray, monkeypatch, tmp_path, draft_dir, keep_versions=2)
-    for _ in range(3):
-        assert ctrl._update("default", "size", {"num_workers": 1, "use_gpu": False})["published"]
-    assert VersionStore(tmp_path / "versions" / "default").versions == [2, 3]
-
-
-def test_a_failed_job_is_history_and_too_few_guard_samples_skip(plain_ray, monkeypatch, tmp_path, draft_dir):
-    ctrl, trains, _ = _controller(plain_ray, monkeypatch, tmp_path, draft_dir)
-    _fill(plain_ray, 4, heldout=1)  # one guard sample: nothing to judge a candidate on
-    assert ctrl._update("default", "size", {"num_workers": 1, "use_gpu": False})["skipped"] == "too few records"
-    assert trains == []
-    monkeypatch.setattr(ctrl, "_update", lambda *a: 1 / 0)
-    _fill(plain_ray, 4, heldout=0)
-    ctrl._stop = _polls(1)
-    ctrl._loop(0)  # the controller outlives one failed job: it is recorded, and the state is idle again
-    assert [e["error"] for e in ctrl.history()] == ["ZeroDivisionError('division by zero')"]
-    assert ctrl.status()["state"] == "idle"
-
-
-def test_serve_load_counts_live_replicas_by_capacity(plain_ray, monkeypatch, tmp_path, draft_dir):
-    monkeypatch.setenv("HOME", str(tmp_path))
-    ctrl = _cls(dist.DistillController)(draft_dir, "~/v", {}, 1, poll_s=3600)
-    assert ctrl.status()["settings"]["versions_dir"] == str(tmp_path / "v")  # a redeploy's "~" is the actor's home
-    assert ctrl.serve_load() == 0.0
-    ctrl.heartbeat("a", 4, 8)
-    ctrl.heartbeat("b", 0, 8)
-    assert ctrl.serve_load() == 0.25  # ongoing over capacity, not a mean of the replicas' counts
-    ctrl.load["gone"] = (64, 64, time.monotonic() - ctrl.HEARTBEAT_TTL_S - 1)  # silent past the TTL: scaled down
-    assert ctrl.serve_load() == 0.25
-
-
-def test_connect_gives_the_actors_the_config(monkeypatch):
-    """Both actors are detached and found by name, so each connect also reconfigures them: the byte
-    bound in MiB, the triggers, the draft (not the target) and keep_versions on create and on configure."""
-    made, configured = [], []
-
-    def actor_class(kind):  # .options(**opts).remote(*args) makes a handle whose configure.remote(...) is kept
-        handle = SimpleNamespace(configure=SimpleNamespace(remote=lambda *a, **kw: configured.append((kind, a, kw))))
-        return SimpleNamespace(options=lambda **opts: SimpleNamespace(
-            remote=lambda *a, **kw: (made.append((kind, opts, a, kw)), handle)[1]))
-
-    monkeypatch.setattr(dist, "ReplayBufferActor", actor_class("buffer"))
-    monkeypatch.setattr(dist, "DistillController", actor_class("controller"))
-    monkeypatch.setattr(dist, "ray", SimpleNamespace(get=lambda x: x))
-    cfg = parse_config({"target": "org/target", "draft": "org/draft", "distill": {
-        "backend": "ray_train", "buffer_mb": 3, "trigger_records": 5, "trigger_age_s": 7.5, "keep_versions": 2,
-        "max_train_workers": 6, "steps_per_update": 9, "lr": 0.01, "mode": "full", "versions_dir": "/vs"}})
-    dist.connect(cfg)
-    buffer_cfg = {"max_bytes": 3 * 1024 * 1024, "trigger_records": 5, "trigger_age_s": 7.5}
-    args = ("org/draft", "/vs", {"mode": "full", "lr": 0.01, "steps_per_update": 9}, 9, 6)
-    opts = {"namespace": dist.NAMESPACE, "get_if_exists": True, "lifetime": "detached"}
-    assert made == [("buffer", {"name": dist.BUFFER_NAME, **opts}, (buffer_cfg,), {}),
-                    ("controller", {"name": dist.CONTROLLER_NAME, **opts}, args, {"keep_versions": 2})]
-    assert configured == [("buffer", (buffer_cfg,), {}), ("controller", args, {"keep_versions": 2})]
-
-
-def test_records_and_heartbeats_reach_the_actors(monkeypatch):
-    """No record (a request with nothing to learn from) sends nothing; a heartbeat whose load() raised
-    once is followed by the next one (the thread lives on)."""
-    sent = []
-    dist.send_record(_actor(SimpleNamespace(add=lambda *a: sent.append(a))), None)
-    dist.send_record(_actor(SimpleNamespace(add=lambda *a: sent.append(a))), SimpleNamespace(expert="sql", nbytes=7))
-    assert [(e, n) for e, _, n in sent] == [("sql", 7)]
-
-    beats, calls, done = [], [], threading.Event()
-
-    def load():
-        calls.append(1)
-        if len(calls) == 1:
-            raise ValueError("engine busy")  # any exception, not one kind, is a missed beat
-        if len(calls) > 3:
-            done.set()
-            threading.Event().wait()  # parks the daemon thread for the rest of the run
-        return (len(calls), 8)
-
-    dist.start_heartbeat(_actor(SimpleNamespace(heartbeat=lambda *a: beats.append(a))), "r1", load, every_s=0.01)
-    assert done.wait(10)
-    assert beats == [("r1", 2, 8), ("r1", 3, 8)]
