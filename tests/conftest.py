@@ -81,6 +81,13 @@ def tok():
     return char_tokenizer()
 
 
+@pytest.fixture
+def no_env_keys(monkeypatch):
+    """Keys come from the config alone: a developer's exported OSD_API_KEY / OSD_ADMIN_KEY would fill them."""
+    monkeypatch.delenv("OSD_API_KEY", raising=False)
+    monkeypatch.delenv("OSD_ADMIN_KEY", raising=False)
+
+
 @pytest.fixture(scope="session", params=["llama", "gpt2"])
 def pair(request, tok):
     """(arch, target, draft) with a partially agreeing draft, and no EOS so lengths are fixed."""

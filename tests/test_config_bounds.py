@@ -105,11 +105,9 @@ def test_a_hub_id_that_cannot_be_fetched_says_why(offline, monkeypatch):
     assert ("HF_HUB_OFFLINE is set" in msg) == offline and ("could not be reached" in msg) == (not offline)
 
 
-def test_an_api_key_with_a_space_is_refused(monkeypatch):
+def test_an_api_key_with_a_space_is_refused(no_env_keys):
     """A space is printable but an HTTP client strips or splits a bearer token at it: the key is refused
     at config time, naming the key, from the config or from the environment."""
-    monkeypatch.delenv("OSD_ADMIN_KEY", raising=False)
-    monkeypatch.delenv("OSD_API_KEY", raising=False)
     with pytest.raises(ValueError, match=r"api_key \(or OSD_API_KEY\): printable ASCII without spaces"):
         parse_config({"api_key": "sk 123"})
     with pytest.raises(ValueError, match=r"admin_key \(or OSD_ADMIN_KEY\)"):

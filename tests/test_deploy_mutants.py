@@ -23,10 +23,7 @@ import deployments.distiller as dist  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def _no_env_keys(monkeypatch):
-    monkeypatch.delenv("OSD_API_KEY", raising=False)
-    monkeypatch.delenv("OSD_ADMIN_KEY", raising=False)
+pytestmark = pytest.mark.usefixtures("no_env_keys")
 
 
 # ---- config.py: documented defaults, bounds, keys ----------------------------------------------------

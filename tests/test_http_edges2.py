@@ -24,6 +24,7 @@ def client():
 
 def _events(client, path, body):
     with client.stream("POST", path, headers=AUTH, json=body | {"stream": True}) as s:
+        assert s.status_code == 200
         lines = [ln[6:] for ln in s.iter_lines() if ln.startswith("data: ")]
     assert lines[-1] == "[DONE]"
     return [json.loads(e) for e in lines[:-1]]

@@ -5,14 +5,13 @@ that the other HTTP tests let through."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from fastapi.testclient import TestClient
 
 from deployments.api import make_app
 from deployments.config import AppConfig
 from tests.test_http_edges import ADMIN, AUTH, Scripted, _post
+from tests.test_http_edges2 import _events
 
 CHAT = {"messages": [{"role": "user", "content": "x"}]}
 
@@ -20,14 +19,6 @@ CHAT = {"messages": [{"role": "user", "content": "x"}]}
 def _client(backend, **cfg):
     cfg = AppConfig(**{"wandb": {"mode": "disabled"}, "api_key": "sk-test", "admin_key": "admin-test"} | cfg)
     return TestClient(make_app(backend, cfg), raise_server_exceptions=False)
-
-
-def _events(client, path, body):
-    with client.stream("POST", path, headers=AUTH, json=body | {"stream": True}) as s:
-        assert s.status_code == 200
-        lines = [ln[6:] for ln in s.iter_lines() if ln.startswith("data: ")]
-    assert lines[-1] == "[DONE]"
-    return [json.loads(e) for e in lines[:-1]]
 
 
 def test_the_bearer_scheme_is_read_in_any_case():
