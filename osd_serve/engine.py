@@ -66,6 +66,13 @@ def check_state_fits(draft, state: dict[str, torch.Tensor], who: str) -> None:
 
 
 class SpecEngine:
+    """Continuous-batching speculative decoding over one target/draft pair.
+
+    One thread drives it (step(), or generate()/stream(), which step until the engine is empty and
+    see every row's output). add_request(), abort(), reset() and swap_draft() may be called from any
+    other thread meanwhile. To serve many callers each with its own stream, use
+    serving.AsyncSpecServer, which routes every row's output to its own caller."""
+
     def __init__(self, target, draft, tokenizer, config: EngineConfig | None = None, recorder=None,
                  policy: SpeculationPolicy | None = None):
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
@@ -76,6 +83,12 @@ class SpecEngine:
         self.recorder = recorder
         self.draft_version = 0
         self._swap_lock = threading.Lock()
+        # Held by step() and by every change to the queue (add_request, abort, reset), so they can be
+        # called from several threads: one from another thread waits for the running step. Without it
+        # an abort landing while _admit moved a request from the queue into the batch found it in
+        # neither, and the request ran to the end. Re-entrant: a step's own callbacks may abort.
+        # (The server never contends for it: AsyncSpecServer drives each engine from one thread.)
+        self._lock = threading.RLock()
         self._pending_swap: tuple[dict, int] | None = None
         self.config = config or EngineConfig()
         self.device = next(target.parameters()).device
@@ -108,6 +121,9 @@ class SpecEngine:
         self, prompt: str | Sequence[int] | Prompt, params: SamplingParams | None = None, request_id: str | None = None,
         expert: str = "default",
     ) -> str:
+        return self._queue(prompt, params, request_id, expert).request_id
+
+    def _queue(self, prompt, params: SamplingParams | None, request_id: str | None, expert: str) -> Request:
         params = params or SamplingParams()
         if isinstance(prompt, Prompt):  # checked against this engine's limits already (AsyncSpecServer.generate)
             params.validate()
@@ -121,21 +137,24 @@ class SpecEngine:
         gen = None
         if not params.greedy:
             gen = seeded_generator(params.seed if params.seed is not None else secrets.randbits(63))
-        self.waiting.append(Request(rid, text, ids, params, gen, expert=expert))
-        return rid
+        req = Request(rid, text, ids, params, gen, expert=expert)
+        with self._lock:
+            self.waiting.append(req)
+        return req
 
     def abort(self, request_id: str) -> None:
         """Stop a request (e.g. its client disconnected); its row leaves the batch at the next step."""
         self._abort_all(r for r in itertools.chain(self.waiting, self.running) if r.request_id == request_id)
 
     def _abort_all(self, requests) -> None:
-        for r in list(requests):
-            if not r.finished:
-                r.finish_reason = "abort"
-        left = [r for r in self.waiting if r.finished]  # queued ones leave now; running rows at the next step
-        if left:
-            self.finished.update(r.finish_reason for r in left)
-            self.waiting = deque(r for r in self.waiting if not r.finished)
+        with self._lock:  # ``requests`` may be lazy over the queue and batch: read under the lock
+            for r in list(requests):
+                if not r.finished:
+                    r.finish_reason = "abort"
+            left = [r for r in self.waiting if r.finished]  # queued ones leave now; running rows at the next step
+            if left:
+                self.finished.update(r.finish_reason for r in left)
+                self.waiting = deque(r for r in self.waiting if not r.finished)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -143,12 +162,13 @@ class SpecEngine:
     def reset(self) -> None:
         """Forget every request and cache, e.g. after a step raised (the caller ends the requests).
         In place, not a new engine: distillers and version watchers hold this object."""
-        for r in itertools.chain(self.waiting, self.running):  # the caller ends them with an error
-            self.finished["abort" if r.finish_reason == "abort" else "error"] += 1
-        self.waiting = deque()
-        self._empty_batch()
-        if self.recorder is not None:  # their traces would wait for a finish that never comes
-            self.recorder.drop()
+        with self._lock:
+            for r in itertools.chain(self.waiting, self.running):  # the caller ends them with an error
+                self.finished["abort" if r.finish_reason == "abort" else "error"] += 1
+            self.waiting = deque()
+            self._empty_batch()
+            if self.recorder is not None:  # their traces would wait for a finish that never comes
+                self.recorder.drop()
 
     def _empty_batch(self) -> None:
         self.running, self._rows = [], None
@@ -208,6 +228,10 @@ class SpecEngine:
 
     def step(self) -> tuple[list[StreamDelta], StepStats | None]:
         """Admit waiting requests, run one speculative step, return the new output of every row."""
+        with self._lock:
+            return self._step()
+
+    def _step(self) -> tuple[list[StreamDelta], StepStats | None]:
         t0 = time.perf_counter()
         self._drop_finished()
         self._apply_swap()
@@ -349,8 +373,7 @@ class SpecEngine:
         reqs = []
         try:
             for p, sp in zip(prompts, plist):
-                self.add_request(p, sp)
-                reqs.append(self.waiting[-1])
+                reqs.append(self._queue(p, sp, None, "default"))
         except BaseException:  # a refused prompt: the caller gets no requests, so none of them may run
             self._abort_all(reqs)
             raise

@@ -113,3 +113,34 @@ def test_the_engine_counts_how_requests_ended(tok, target):
     eng.reset()  # after a failed step: the server ends what was left with an error
     assert dict(eng.finished) == {"length": 3, "stop": 1, "abort": 2, "error": 1}
     assert not eng.has_unfinished()
+
+
+def test_an_abort_from_another_thread_while_a_step_admits_its_request_stops_it(tok, target, monkeypatch):
+    """A caller thread's abort that lands while the driving thread's step has taken the request off the
+    queue but not yet into the batch (its prefill) found it in neither, and the request ran to its
+    max_tokens. The abort now waits for the step and stops the row at the next one."""
+    import threading
+
+    import osd_serve.engine as engine_mod
+
+    eng = SpecEngine(target, perturbed(target, 0.015), tok, EngineConfig(max_batch_size=2, max_model_len=64))
+    params = SamplingParams(max_tokens=30, num_speculative_tokens=2, ignore_eos=True)
+    rid = eng.add_request([10, 20, 30], params)
+    req = eng.waiting[0]
+    real, caller = engine_mod.pad_right, []
+
+    def admitting(rows):  # _admit's first call, after it popped the request from the queue
+        if not caller:
+            caller.append(threading.Thread(target=eng.abort, args=(rid,)))
+            caller[0].start()
+            caller[0].join(0.5)  # broken: the abort is done (it found nothing); fixed: it waits for this step
+        return real(rows)
+
+    monkeypatch.setattr(engine_mod, "pad_right", admitting)
+    steps = 0
+    while eng.has_unfinished():
+        eng.step()
+        steps += 1
+        caller[0].join(10)
+    assert eng.finished == {"abort": 1} and steps == 2  # the admitting step's tokens, then it left
+    assert req.finish_reason == "abort" and 1 <= len(req.output_ids) <= 3
