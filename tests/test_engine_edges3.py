@@ -1,4 +1,4 @@
-"""Engine edge cases, third pass: what a call that fails part-way leaves behind."""
+"""Engine edge cases, third pass: what a call that fails part-way leaves behind, and calls from other threads."""
 
 from __future__ import annotations
 
@@ -144,3 +144,49 @@ def test_an_abort_from_another_thread_while_a_step_admits_its_request_stops_it(t
         caller[0].join(10)
     assert eng.finished == {"abort": 1} and steps == 2  # the admitting step's tokens, then it left
     assert req.finish_reason == "abort" and 1 <= len(req.output_ids) <= 3
+
+
+def test_requests_added_and_aborted_from_another_thread_while_one_thread_steps(tok, target):
+    """One thread steps; another queues 24 requests and aborts every third, with the interpreter
+    switching threads every microsecond. Every request ends exactly once, and every one not aborted
+    with the target's own greedy tokens (the draft is perturbed: rows are rejected and rolled back
+    while the queue changes under the step). Unlocked, abort's walk over the queue met the step's
+    popleft ("deque mutated during iteration"), and a request queued during an abort could be lost."""
+    import sys
+    import threading
+
+    eng = SpecEngine(target, perturbed(target, 0.015), tok, EngineConfig(max_batch_size=4, max_model_len=64))
+    params = SamplingParams(max_tokens=8, num_speculative_tokens=3, ignore_eos=True)
+    prompts = [[10 + i, 20 + i % 7, 30] for i in range(24)]
+    refs = [c.token_ids for c in SpecEngine(target, target, tok).generate(prompts, replace(params, num_speculative_tokens=0))]
+    reqs, done, errors = [], threading.Event(), []
+
+    def caller():
+        try:
+            for i, p in enumerate(prompts):
+                reqs.extend(eng.submit([p], params))
+                if i % 3 == 2:
+                    eng.abort(reqs[i - 1].request_id)
+        except BaseException as e:  # surfaced by the assert below
+            errors.append(e)
+        finally:
+            done.set()
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        t = threading.Thread(target=caller)
+        t.start()
+        while not done.is_set() or eng.has_unfinished():
+            eng.step()
+        t.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert not errors, errors
+    assert len(reqs) == 24 and sum(eng.finished.values()) == 24
+    assert all(r.finished for r in reqs) and eng.finished["abort"] == sum(r.finish_reason == "abort" for r in reqs)
+    for i, (r, ref) in enumerate(zip(reqs, refs)):
+        if r.finish_reason == "abort":  # only those asked to (one may have run out first)
+            assert i % 3 == 1 and r.output_ids == ref[: len(r.output_ids)]
+        else:
+            assert r.finish_reason == "length" and r.output_ids == ref, i
