@@ -9,14 +9,8 @@ import pytest
 
 from osd_serve.config import SamplingParams
 from osd_serve.output import Completion, Request, check_prompt, eos_token_ids, fit_max_tokens
-from tests.conftest import char_tokenizer
 
 TEXT = "héllo wörld, naïve café: ∑ x² ≤ 日本語 🙂 — def f(x): return x * 2\n" * 2
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return char_tokenizer()
 
 
 def _stream(r: Request, steps, tokenizer, eos: set[int]) -> list[str]:
