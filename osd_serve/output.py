@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
@@ -70,6 +71,26 @@ def _decode(tokenizer, ids: list[int], context: list[int] = ()) -> str:
     head = tokenizer.decode(list(context), **kw)
     full = tokenizer.decode(list(context) + list(ids), **kw)
     return full[len(os.path.commonprefix([head, full])):]
+
+
+_BYTE_IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def byte_fallback_ids(tokenizer) -> frozenset[int]:
+    """The ids of the tokenizer's byte tokens <0x00>..<0xFF> (SentencePiece byte fallback: Llama-2,
+    Mistral, Gemma); none for a byte-level BPE such as GPT-2's. Looked up once per tokenizer."""
+    try:
+        return _BYTE_IDS[tokenizer]
+    except (KeyError, TypeError):  # TypeError: a tokenizer that takes no weak reference
+        pass
+    names = [f"<0x{i:02X}>" for i in range(256)]
+    found = frozenset(i for i, n in zip(tokenizer.convert_tokens_to_ids(names), names)
+                      if i is not None and tokenizer.convert_ids_to_tokens(i) == n)  # not the unk id
+    try:
+        _BYTE_IDS[tokenizer] = found
+    except TypeError:
+        pass
+    return found
 
 
 def eos_token_ids(model_or_config, tokenizer) -> set[int]:
@@ -141,6 +162,8 @@ class Request:
     _rendered: int = 0  # output ids whose text is in ``text`` (the rest end inside a UTF-8 character)
     _stream: DecodeStream | None = None  # incremental detokenizer (see _render)
     _full_decode: bool = False  # the stream refused this output: decoded in full every step (see _render)
+    _run_at: int = 0  # output ids from here on are byte-fallback tokens, whose text a later one may rewrite
+    _fixed_chars: int = 0  # the chars of ``text`` before that run, which no later token changes
     _context: list[int] | None = None  # see context()
 
     @property
@@ -223,32 +246,50 @@ class Request:
         text exactly as ``_decode`` would. Tokenizers without a fast backend are decoded in full every
         step. The new ids go in one at a time: given a step's ids at once, the stream holds back all of
         their text while the last one ends inside a UTF-8 character, so a stop string before it was
-        seen a step late, after the step's tokens past it were kept (token ids then depended on k)."""
+        seen a step late, after the step's tokens past it were kept (token ids then depended on k).
+
+        Also keeps ``_run_at`` and ``_fixed_chars`` (what ``delta`` may stream): a byte-fallback decoder
+        decodes a run of byte tokens as a whole, one U+FFFD per byte where the run is not valid UTF-8,
+        so a later byte can rewrite the text of the run's earlier ones ("é" of <0xC3><0xA9>, then <0xE6>
+        and " a": "\ufffd\ufffd\ufffd a"). Text before the last run is fixed."""
+        byte_ids = byte_fallback_ids(tokenizer)
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if self.finished or backend is None or self._full_decode:
-            self._rendered = len(ids)
-            return _decode(tokenizer, ids, self.context(tokenizer))
+            return self._decode_all(tokenizer, ids, start, byte_ids)
         if self._stream is None:  # prefilled with the same context as _decode, for the same reason
             self._stream = DecodeStream(ids=self.context(tokenizer) or None, skip_special_tokens=True)
-        pieces = []
+        pieces, chars = [], len(self.text)
         for i, t in enumerate(ids[start:], start):
             try:
                 piece = self._stream.step(backend, [t])  # None while t ends inside a character
             except Exception as e:
                 if "Invalid prefix" not in str(e):
                     raise
-                # A byte-fallback decoder (Llama-2, Mistral, Gemma) gives one U+FFFD per byte of a run of
-                # byte tokens that is not valid UTF-8 as a whole, so a decode can rewrite text the stream
-                # already returned ("é" of <0xC3><0xA9>, then <0xE6> and " a": "\ufffd\ufffd\ufffd a"); the
-                # stream raises on that, which failed the engine step of every request in the batch
-                # (vLLM #17448). This request is decoded in full from here on, as without a fast backend.
+                # The stream raises on such a rewrite, which failed the engine step of every request in
+                # the batch (vLLM #17448). This request is decoded in full from here on, as without a
+                # fast backend; delta never streamed the rewritten run, so the stream still adds up.
                 self._full_decode, self._stream = True, None
-                self._rendered = len(ids)
-                return _decode(tokenizer, ids, self.context(tokenizer))
+                return self._decode_all(tokenizer, ids, start, byte_ids)
             if piece is not None:
                 pieces.append(piece)
+                chars += len(piece)
                 self._rendered = i + 1
+            if t not in byte_ids:  # ends the run: with its own text out, all text so far is fixed
+                self._run_at, self._fixed_chars = i + 1, chars if piece is not None else self._fixed_chars
         return self.text + "".join(pieces)
+
+    def _decode_all(self, tokenizer, ids: list[int], start: int, byte_ids: frozenset[int]) -> str:
+        """``_render`` by one full decode, and where the output ends in a run of byte tokens, one more of
+        the ids before it (only while running: a finished request's text is all streamed)."""
+        text = _decode(tokenizer, ids, self.context(tokenizer))
+        self._rendered = len(ids)
+        self._run_at = next((i + 1 for i in range(len(ids) - 1, start - 1, -1) if ids[i] not in byte_ids), self._run_at)
+        if self._run_at >= len(ids) or self.finished:
+            self._fixed_chars = len(text)
+        else:
+            head = _decode(tokenizer, ids[: self._run_at], self.context(tokenizer))
+            self._fixed_chars = len(head) if text.startswith(head) else len(os.path.commonprefix([head, text]))
+        return text
 
     def delta(self) -> StreamDelta:
         """New text since the last delta. Holds back text that may still become a stop string or is an
@@ -259,10 +300,11 @@ class Request:
         if not self.finished:
             if self.text.endswith("\ufffd"):
                 end -= 1
+            end = min(end, self._fixed_chars)  # not the last run of byte tokens (see _render)
             for s in self.params.stop:
                 end -= _stop_prefix_at_end(self.text, end, s)
         end = max(end, self._sent_chars)
-        ids_end = max(len(self.output_ids) if self.finished else self._rendered, self._sent_ids)
+        ids_end = max(len(self.output_ids) if self.finished else min(self._rendered, self._run_at), self._sent_ids)
         d = StreamDelta(
             self.request_id,
             self.text[self._sent_chars : end],

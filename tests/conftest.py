@@ -34,6 +34,22 @@ def char_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
 
 
+def byte_fallback_tokenizer(words=("▁The", "▁is", "a", "▁a")):
+    """A SentencePiece-style tokenizer with byte fallback (Llama-2, Mistral, Gemma): <0xXX> byte tokens
+    for text outside its pieces, decoded by ByteFallback, which gives one U+FFFD per byte of a run that
+    is not valid UTF-8 as a whole. Ids: 0-2 <unk> <s> </s>, 3-258 the bytes, then ``words``."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)] + list(words)
+    tk = Tokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=[], unk_token="<unk>",
+                              fuse_unk=True, byte_fallback=True))
+    tk.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tk.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="</s>", bos_token="<s>", unk_token="<unk>")
+
+
 def _finish(model, eos_id):
     model.generation_config.eos_token_id = eos_id
     model.generation_config.pad_token_id = 0

@@ -9,7 +9,7 @@ import torch
 
 from osd_serve.config import EngineConfig, SamplingParams
 from osd_serve.engine import SpecEngine
-from tests.conftest import llama, perturbed
+from tests.conftest import byte_fallback_tokenizer, llama, perturbed
 
 
 @pytest.fixture(scope="module")
@@ -31,22 +31,6 @@ def test_a_refused_prompt_leaves_none_of_its_batch_queued(tok, target, call):
     assert not eng.has_unfinished()
     seen = {d.request_id for d in eng.stream([[12, 22]], params)}
     assert len(seen) == 1
-
-
-def _byte_fallback_tokenizer():
-    """A SentencePiece-style tokenizer with byte fallback (Llama-2, Mistral, Gemma): <0xXX> byte tokens
-    for text outside its pieces, decoded by ByteFallback, which gives one U+FFFD per byte of a run that
-    is not valid UTF-8 as a whole."""
-    from tokenizers import Tokenizer, decoders, models, normalizers
-    from transformers import PreTrainedTokenizerFast
-
-    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)] + ["▁The", "▁is", "a", "▁a"]
-    tk = Tokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=[], unk_token="<unk>",
-                              fuse_unk=True, byte_fallback=True))
-    tk.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    tk.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                    decoders.Strip(" ", 1, 0)])
-    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="</s>", bos_token="<s>", unk_token="<unk>")
 
 
 def _scripted_llama(vocab: int, successor: dict[int, int]):
@@ -71,7 +55,7 @@ def test_output_that_a_byte_fallback_decoder_rewrites_fails_no_step(tok):
     raises "Invalid prefix" (vLLM #17448), out of Request.append and the engine step: every request of
     the batch failed (AsyncSpecServer ends them all with an error). The request is decoded in full from
     then on, and its text is the tokenizer's decode."""
-    sp = _byte_fallback_tokenizer()
+    sp = byte_fallback_tokenizer()
     byte = {b: sp.convert_tokens_to_ids(f"<0x{b:02X}>") for b in (0xC3, 0xA9, 0xE6)}
     the, is_, a, sp_a = (sp.convert_tokens_to_ids(t) for t in ("▁The", "▁is", "a", "▁a"))
     # ▁The -> ▁a -> é (2 bytes) -> a character's first byte -> ▁a ... ; ▁is -> a -> a ...
@@ -85,12 +69,14 @@ def test_output_that_a_byte_fallback_decoder_rewrites_fails_no_step(tok):
     assert broken.finish_reason == other.finish_reason == "length"
     assert broken.text == sp.decode([1, the] + broken.token_ids, skip_special_tokens=True)[len("The"):]
     assert other.token_ids == [a] * 9 and other.text == "aaaaaaaaa"
-    # the same through the stream, whatever the tokens per step: no step fails, ids add up
-    for k in (1, 4):
-        ids = []
+    # the same through the stream, whatever the tokens per step: no step fails, ids and text add up.
+    # The stream held back the run's "é" until " a" ended it, when it became U+FFFD: it had streamed
+    # " aé\ufffd\ufffd a..." (one token per step) and " aé" + ... (k=1) for the final " a\ufffd\ufffd\ufffd a...".
+    for k in (0, 1, 4):
+        ids, text = [], ""
         for d in SpecEngine(target, target, sp).stream([[1, the]], replace(params, num_speculative_tokens=k)):
-            ids += d.token_ids
-        assert ids == broken.token_ids
+            ids, text = ids + d.token_ids, text + d.text
+        assert ids == broken.token_ids and text == broken.text
 
 
 def test_the_engine_counts_how_requests_ended(tok, target):

@@ -152,6 +152,7 @@ class _SlowTokenizer:
 
     def __init__(self, tok):
         self.decode = tok.decode
+        self.convert_tokens_to_ids, self.convert_ids_to_tokens = tok.convert_tokens_to_ids, tok.convert_ids_to_tokens
 
 
 def test_a_full_decode_finds_a_stop_string_after_a_character_split_across_tokens(bpe):
@@ -221,3 +222,48 @@ def test_stop_hold_back_is_the_longest_stop_prefix_the_text_ends_with():
         end = rng.randrange(0, len(text) + 1)
         want = next((n for n in range(min(len(stop) - 1, end), 0, -1) if text[:end].endswith(stop[:n])), 0)
         assert _stop_prefix_at_end(text, end, stop) == want, (text, end, stop)
+
+
+def test_a_stream_never_shows_text_a_byte_fallback_decoder_rewrites_later():
+    """A byte-fallback decoder (Llama-2, Mistral, Gemma) decodes a run of byte tokens as a whole, one
+    U+FFFD per byte where the run is not valid UTF-8: a later byte can rewrite the text of earlier ones
+    ("é" of <0xC3><0xA9>, then <0xE6> and " a": "\\ufffd\\ufffd\\ufffd a"), and the stream had already sent
+    "é". Random outputs of mostly valid characters split into bytes, stray bytes and words, in random
+    steps, with and without stop strings, decoded incrementally or (no fast backend) in full: what
+    streams adds up to the final text, which is the tokenizer's decode; and once a word ends a run of
+    bytes, all the text so far is out."""
+    from tests.conftest import byte_fallback_tokenizer
+
+    words = ["▁The", "▁is", "a", "▁a", "."]
+    sp = byte_fallback_tokenizer(words)
+    word_ids = [sp.convert_tokens_to_ids(w) for w in words]
+    byte = [sp.convert_tokens_to_ids(f"<0x{i:02X}>") for i in range(256)]
+    rng = random.Random(0)
+    rewritten = 0
+    for trial in range(300):
+        ids = []
+        while len(ids) < 40:
+            u = rng.random()
+            if u < 0.35:
+                ids.append(rng.choice(word_ids))
+            elif u < 0.9:  # a character, as its UTF-8 bytes
+                ids += [byte[b] for b in rng.choice("éü日本語🙂xΣ").encode()]
+            else:  # a stray byte: a lone first byte, a lone continuation byte or an invalid one
+                ids.append(byte[rng.choice([0xC3, 0xE6, 0xF0, 0x97, 0xA9, 0xFF])])
+        stop = [rng.choice(["a.", "日本", " is", "\ufffd a"])] if trial % 3 == 0 else []
+        tk = _SlowTokenizer(sp) if trial % 4 == 1 else sp
+        r = Request("r", "", [1], SamplingParams(max_tokens=len(ids), stop=stop, ignore_eos=True), None)
+        pos, streamed, streamed_ids = 0, "", []
+        while not r.finished:
+            n = rng.randint(1, 6)  # accepted tokens per step
+            r.append(ids[pos : pos + n], tk, set())
+            pos += n
+            d = r.delta()
+            streamed, streamed_ids = streamed + d.text, streamed_ids + d.token_ids
+            if not r.finished and not stop and r.output_ids[-1] in word_ids:
+                assert streamed == r.text  # a word ended the run: nothing is held back
+        assert streamed == r.text and streamed_ids == r.output_ids
+        if not stop:
+            assert r.text == sp.decode([1] + ids, skip_special_tokens=True)
+        rewritten += r._full_decode and tk is sp
+    assert rewritten > 10  # runs that a later byte made invalid, after their start decoded to text
