@@ -84,8 +84,9 @@ def byte_fallback_ids(tokenizer) -> frozenset[int]:
     except (KeyError, TypeError):  # TypeError: a tokenizer that takes no weak reference
         pass
     names = [f"<0x{i:02X}>" for i in range(256)]
-    found = frozenset(i for i, n in zip(tokenizer.convert_tokens_to_ids(names), names)
-                      if i is not None and tokenizer.convert_ids_to_tokens(i) == n)  # not the unk id
+    to_ids, to_tokens = (getattr(tokenizer, f, None) for f in ("convert_tokens_to_ids", "convert_ids_to_tokens"))
+    found = frozenset() if to_ids is None or to_tokens is None else frozenset(  # a stand-in with only decode: none known
+        i for i, n in zip(to_ids(names), names) if i is not None and to_tokens(i) == n)  # not the unk id
     try:
         _BYTE_IDS[tokenizer] = found
     except TypeError:
