@@ -174,9 +174,15 @@ class Request:
     def context(self, tokenizer) -> list[int]:
         """The prompt ids the output is decoded after (_decode): the last DECODE_CONTEXT, or none where
         they end inside a UTF-8 character (a prompt given as token ids), since a stream prefilled with
-        half a character and the full decode would then disagree on where the output's text starts."""
+        half a character and the full decode would then disagree on where the output's text starts.
+        They end before the prompt's last byte-fallback tokens, if it ends in some: a byte decoder
+        decodes a run of them as a whole, so output bytes that are not valid UTF-8 made the prompt's
+        valid ones U+FFFD too, and the output's text had one U+FFFD per prompt byte besides its own."""
         if self._context is None:
-            tail = list(self.prompt_ids[-DECODE_CONTEXT:])
+            byte_ids, end = byte_fallback_ids(tokenizer), len(self.prompt_ids)
+            while end and self.prompt_ids[end - 1] in byte_ids:
+                end -= 1
+            tail = list(self.prompt_ids[max(0, end - DECODE_CONTEXT) : end])
             self._context = [] if _decode(tokenizer, tail).endswith("\ufffd") else tail
         return self._context
 

@@ -184,6 +184,11 @@ class ChatMessage(_Strict):
             raise ValueError("only an assistant message may have null content")
         return _unicode(v)
 
+    @field_validator("name")
+    @classmethod
+    def _name_text(cls, v):  # a chat template renders it, and the tokenizer refuses a lone surrogate
+        return _unicode(v)
+
     def as_dict(self) -> dict:
         parts = [self.content or ""] if not isinstance(self.content, list) else [p.text for p in self.content]
         text = "".join(parts)
@@ -218,7 +223,10 @@ def render_chat(messages: list[dict], tokenizer) -> str | list[int]:
             text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as e:  # noqa: BLE001  templates raise their own rules ("roles must alternate")
             raise ValueError(f"messages: the model's chat template refused them: {e}") from None
-        return tokenizer.encode(text, add_special_tokens=False)
+        try:
+            return tokenizer.encode(text, add_special_tokens=False)
+        except (TypeError, UnicodeError) as e:  # what the template rendered (check_prompt's case for a text)
+            raise ValueError(f"messages: the chat template's text could not be tokenized: {e}") from None
     return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
 
 

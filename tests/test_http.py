@@ -136,6 +136,21 @@ def test_chat_bad_input_names_the_message_field(client):
         r = client.post("/v1/chat/completions", headers=AUTH | {"content-type": "application/json"},
                         content=json.dumps({"messages": [{"role": "user", "content": content}]}))
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    # a name goes to the chat template, whose text the tokenizer then refused: a 500 with a template that renders it
+    r = client.post("/v1/chat/completions", headers=AUTH | {"content-type": "application/json"},
+                    content=json.dumps({"messages": [{"role": "user", "content": "hi", "name": "a\udfffb"}]}))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.name", r.text
+
+
+def test_a_chat_template_whose_text_cannot_be_tokenized_is_a_value_error(tok):
+    """A template may write what the tokenizer refuses (here a lone surrogate of its own): a ValueError,
+    which the API turns into a 400 naming messages, not the tokenizer's TypeError, a 500."""
+    from osd_serve.protocol import render_chat
+
+    t = copy.copy(tok)
+    t.chat_template = "{{ '\udc80' }}{% for m in messages %}{{ m.content }}{% endfor %}"
+    with pytest.raises(ValueError, match="^messages: the chat template's text could not be tokenized"):
+        render_chat([{"role": "user", "content": "hi"}], t)
 
 
 def test_chat_limits_are_named_as_sent_and_bodies_are_capped(client):

@@ -41,6 +41,9 @@ def test_max_prompt_chars_is_a_limit_not_a_bound_and_chat_names_messages():
     r = _post(c, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 6}, {"role": "user", "content": "y" * 6}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
     assert r.json()["error"]["message"].startswith("messages: 13 characters")
+    # names count: a chat template renders them, so a long name was tokenized whole before any limit
+    r = _post(c, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 6, "name": "n" * 5}]})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("messages: 11 characters"), r.text
     assert len(backend.prompts) == 2  # the refused ones never reached the backend
 
 

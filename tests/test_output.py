@@ -224,7 +224,34 @@ def test_stop_hold_back_is_the_longest_stop_prefix_the_text_ends_with():
         assert _stop_prefix_at_end(text, end, stop) == want, (text, end, stop)
 
 
-def test_a_stream_never_shows_text_a_byte_fallback_decoder_rewrites_later():
+# sp_bytes: a byte-fallback tokenizer, its word ids, and its byte ids (byte[b] is the id of <0xbb>)
+_WORDS = ["▁The", "▁is", "a", "▁a", "."]
+
+
+@pytest.fixture(scope="module")
+def sp_bytes():
+    from tests.conftest import byte_fallback_tokenizer
+
+    sp = byte_fallback_tokenizer(_WORDS)
+    return sp, [sp.convert_tokens_to_ids(w) for w in _WORDS], [sp.convert_tokens_to_ids(f"<0x{i:02X}>") for i in range(256)]
+
+
+def _words_and_bytes(rng, n: int, word_ids, byte, p_word: float = 0.35, chars: str = "éü日本語🙂xΣ") -> list[int]:
+    """At least n ids: words; characters as their UTF-8 bytes; and, one in ten, a stray byte (a lone
+    first byte, a lone continuation byte or one that is never UTF-8), which makes its run invalid."""
+    ids = []
+    while len(ids) < n:
+        u = rng.random()
+        if u < p_word:
+            ids.append(rng.choice(word_ids))
+        elif u < 0.9:
+            ids += [byte[b] for b in rng.choice(chars).encode()]
+        else:
+            ids.append(byte[rng.choice([0xC3, 0xE6, 0xF0, 0x97, 0xA9, 0xFF])])
+    return ids
+
+
+def test_a_stream_never_shows_text_a_byte_fallback_decoder_rewrites_later(sp_bytes):
     """A byte-fallback decoder (Llama-2, Mistral, Gemma) decodes a run of byte tokens as a whole, one
     U+FFFD per byte where the run is not valid UTF-8: a later byte can rewrite the text of earlier ones
     ("é" of <0xC3><0xA9>, then <0xE6> and " a": "\\ufffd\\ufffd\\ufffd a"), and the stream had already sent
@@ -232,24 +259,11 @@ def test_a_stream_never_shows_text_a_byte_fallback_decoder_rewrites_later():
     steps, with and without stop strings, decoded incrementally or (no fast backend) in full: what
     streams adds up to the final text, which is the tokenizer's decode; and once a word ends a run of
     bytes, all the text so far is out."""
-    from tests.conftest import byte_fallback_tokenizer
-
-    words = ["▁The", "▁is", "a", "▁a", "."]
-    sp = byte_fallback_tokenizer(words)
-    word_ids = [sp.convert_tokens_to_ids(w) for w in words]
-    byte = [sp.convert_tokens_to_ids(f"<0x{i:02X}>") for i in range(256)]
+    sp, word_ids, byte = sp_bytes
     rng = random.Random(0)
     rewritten = 0
     for trial in range(300):
-        ids = []
-        while len(ids) < 40:
-            u = rng.random()
-            if u < 0.35:
-                ids.append(rng.choice(word_ids))
-            elif u < 0.9:  # a character, as its UTF-8 bytes
-                ids += [byte[b] for b in rng.choice("éü日本語🙂xΣ").encode()]
-            else:  # a stray byte: a lone first byte, a lone continuation byte or an invalid one
-                ids.append(byte[rng.choice([0xC3, 0xE6, 0xF0, 0x97, 0xA9, 0xFF])])
+        ids = _words_and_bytes(rng, 40, word_ids, byte)
         stop = [rng.choice(["a.", "日本", " is", "\ufffd a"])] if trial % 3 == 0 else []
         tk = _SlowTokenizer(sp) if trial % 4 == 1 else sp
         r = Request("r", "", [1], SamplingParams(max_tokens=len(ids), stop=stop, ignore_eos=True), None)
@@ -267,3 +281,30 @@ def test_a_stream_never_shows_text_a_byte_fallback_decoder_rewrites_later():
             assert r.text == sp.decode([1] + ids, skip_special_tokens=True)
         rewritten += r._full_decode and tk is sp
     assert rewritten > 10  # runs that a later byte made invalid, after their start decoded to text
+
+
+def test_output_bytes_never_turn_the_prompts_last_bytes_into_replacement_characters(sp_bytes):
+    """The output is decoded after the prompt's last ids, and a byte-fallback decoder decodes a run of
+    byte tokens as a whole: a prompt ending in an emoji's 4 valid bytes and an output of bytes that are
+    not valid UTF-8 gave 4 U+FFFD more than the output's own (6 characters for 2 tokens). Random
+    prompts and outputs of words and bytes: the output's text has the U+FFFD its own ids decode to, and
+    is what it decodes to after the prompt's last word (which keeps its first token's space)."""
+    sp, word_ids, byte = sp_bytes
+    rng = random.Random(1)
+    kw = {"skip_special_tokens": True}
+
+    def some(n):
+        return _words_and_bytes(rng, n, word_ids, byte, p_word=0.3, chars="é日🙂")
+
+    for _ in range(300):
+        prompt, out = [1, rng.choice(word_ids)] + some(rng.randrange(1, 8)), some(rng.randrange(1, 6))
+        tk = _SlowTokenizer(sp) if rng.random() < 0.25 else sp
+        r, streamed = Request("r", "", prompt, SamplingParams(max_tokens=len(out), ignore_eos=True), None), ""
+        for t in out:
+            r.append([t], tk, set())
+            streamed += r.delta().text
+        assert streamed == r.text
+        assert r.text.count("\ufffd") == sp.decode(out, **kw).count("\ufffd")
+        last_word = max(i for i, t in enumerate(prompt) if t not in byte)
+        head = sp.decode(prompt[: last_word + 1], **kw)
+        assert r.text == sp.decode(prompt[: last_word + 1] + out, **kw)[len(head) :]
