@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import os
 import weakref
 from dataclasses import dataclass, field, replace
@@ -73,22 +74,35 @@ def _decode(tokenizer, ids: list[int], context: list[int] = ()) -> str:
     return full[len(os.path.commonprefix([head, full])):]
 
 
-_BYTE_IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+class ByteTokens(NamedTuple):
+    """A SentencePiece byte-fallback vocabulary's (Llama-2, Mistral, Gemma) <0x00>..<0xFF> tokens, which
+    its decoder turns into text a run at a time, and the special ids a decode skips, which a run goes on
+    across. Empty for other tokenizers (a byte-level BPE such as GPT-2's has no such tokens)."""
+
+    value: dict[int, int]  # id -> its byte
+    skipped: frozenset[int]
+
+    def ends_run(self, t: int) -> bool:
+        return t not in self.value and t not in self.skipped
 
 
-def byte_fallback_ids(tokenizer) -> frozenset[int]:
-    """The ids of the tokenizer's byte tokens <0x00>..<0xFF> (SentencePiece byte fallback: Llama-2,
-    Mistral, Gemma); none for a byte-level BPE such as GPT-2's. Looked up once per tokenizer."""
+_BYTE_TOKENS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def byte_tokens(tokenizer) -> ByteTokens:
+    """The tokenizer's ByteTokens, looked up once per tokenizer (256 lookups a step would cost more
+    than the step's decode)."""
     try:
-        return _BYTE_IDS[tokenizer]
+        return _BYTE_TOKENS[tokenizer]
     except (KeyError, TypeError):  # TypeError: a tokenizer that takes no weak reference
         pass
     names = [f"<0x{i:02X}>" for i in range(256)]
     to_ids, to_tokens = (getattr(tokenizer, f, None) for f in ("convert_tokens_to_ids", "convert_ids_to_tokens"))
-    found = frozenset() if to_ids is None or to_tokens is None else frozenset(  # a stand-in with only decode: none known
-        i for i, n in zip(to_ids(names), names) if i is not None and to_tokens(i) == n)  # not the unk id
+    value = {} if to_ids is None or to_tokens is None else {  # a stand-in with only decode: none known
+        i: b for b, (i, n) in enumerate(zip(to_ids(names), names)) if i is not None and to_tokens(i) == n}  # not unk
+    found = ByteTokens(value, frozenset(getattr(tokenizer, "all_special_ids", ()) if value else ()))
     try:
-        _BYTE_IDS[tokenizer] = found
+        _BYTE_TOKENS[tokenizer] = found
     except TypeError:
         pass
     return found
@@ -165,6 +179,7 @@ class Request:
     _full_decode: bool = False  # the stream refused this output: decoded in full every step (see _render)
     _run_at: int = 0  # output ids from here on are byte-fallback tokens, whose text a later one may rewrite
     _fixed_chars: int = 0  # the chars of ``text`` before that run, which no later token changes
+    _run_utf8: codecs.IncrementalDecoder | None = None  # that run's bytes so far, to see when they stop being UTF-8
     _context: list[int] | None = None  # see context()
 
     @property
@@ -179,8 +194,8 @@ class Request:
         decodes a run of them as a whole, so output bytes that are not valid UTF-8 made the prompt's
         valid ones U+FFFD too, and the output's text had one U+FFFD per prompt byte besides its own."""
         if self._context is None:
-            byte_ids, end = byte_fallback_ids(tokenizer), len(self.prompt_ids)
-            while end and self.prompt_ids[end - 1] in byte_ids:
+            bt, end = byte_tokens(tokenizer), len(self.prompt_ids)
+            while end and not bt.ends_run(self.prompt_ids[end - 1]):
                 end -= 1
             tail = list(self.prompt_ids[max(0, end - DECODE_CONTEXT) : end])
             self._context = [] if _decode(tokenizer, tail).endswith("\ufffd") else tail
@@ -207,6 +222,17 @@ class Request:
 
     def append(self, new_ids: list[int], tokenizer, eos_ids: set[int]) -> None:
         """Append accepted tokens one by one, stopping at EOS, max_tokens or a stop string."""
+        if self.params.stop and len(new_ids) > 1 and byte_tokens(tokenizer).value:
+            # A byte token can turn its run's text into U+FFFD (see _render), so a stop string completed
+            # by one of a step's tokens may be gone from the step's text: taken a token at a time, the
+            # output is the one a step of one token gives, whatever k.
+            for t in new_ids:
+                if not self.finished:
+                    self._append([t], tokenizer, eos_ids)
+            return
+        self._append(new_ids, tokenizer, eos_ids)
+
+    def _append(self, new_ids: list[int], tokenizer, eos_ids: set[int]) -> None:
         p = self.params
         start = len(self.output_ids)
         for t in new_ids:
@@ -258,39 +284,61 @@ class Request:
         Also keeps ``_run_at`` and ``_fixed_chars`` (what ``delta`` may stream): a byte-fallback decoder
         decodes a run of byte tokens as a whole, one U+FFFD per byte where the run is not valid UTF-8,
         so a later byte can rewrite the text of the run's earlier ones ("é" of <0xC3><0xA9>, then <0xE6>
-        and " a": "\ufffd\ufffd\ufffd a"). Text before the last run is fixed."""
-        byte_ids = byte_fallback_ids(tokenizer)
+        and " a": "\ufffd\ufffd\ufffd a"). Text before the last run is fixed. The stream assumes text only
+        grows: it raises on such a rewrite, or, where a Strip decoder dropped the run's leading spaces
+        from its window, misses it and returns other text than a decode. So a request whose run stops
+        being UTF-8 is decoded in full from then on, as one without a fast backend."""
+        bt = byte_tokens(tokenizer)
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if self.finished or backend is None or self._full_decode:
-            return self._decode_all(tokenizer, ids, start, byte_ids)
+            return self._decode_all(tokenizer, ids, start, bt)
         if self._stream is None:  # prefilled with the same context as _decode, for the same reason
             self._stream = DecodeStream(ids=self.context(tokenizer) or None, skip_special_tokens=True)
         pieces, chars = [], len(self.text)
         for i, t in enumerate(ids[start:], start):
+            if bt.value and not self._run_still_utf8(t, bt):
+                self._full_decode, self._stream = True, None
+                return self._decode_all(tokenizer, ids, start, bt)
             try:
                 piece = self._stream.step(backend, [t])  # None while t ends inside a character
             except Exception as e:
                 if "Invalid prefix" not in str(e):
                     raise
-                # The stream raises on such a rewrite, which failed the engine step of every request in
-                # the batch (vLLM #17448). This request is decoded in full from here on, as without a
-                # fast backend; delta never streamed the rewritten run, so the stream still adds up.
+                # A rewrite by a decoder not known above. Raised, it failed the engine step of every
+                # request in the batch (vLLM #17448).
                 self._full_decode, self._stream = True, None
-                return self._decode_all(tokenizer, ids, start, byte_ids)
+                return self._decode_all(tokenizer, ids, start, bt)
             if piece is not None:
                 pieces.append(piece)
                 chars += len(piece)
                 self._rendered = i + 1
-            if t not in byte_ids:  # ends the run: with its own text out, all text so far is fixed
+            if bt.ends_run(t):  # with its own text out, all text so far is fixed
                 self._run_at, self._fixed_chars = i + 1, chars if piece is not None else self._fixed_chars
         return self.text + "".join(pieces)
 
-    def _decode_all(self, tokenizer, ids: list[int], start: int, byte_ids: frozenset[int]) -> str:
+    def _run_still_utf8(self, t: int, bt: ByteTokens) -> bool:
+        """Whether the output's last run of byte tokens, t included, can still decode as UTF-8: every byte
+        fits, and a token ending the run leaves no character unfinished (its bytes are U+FFFD too)."""
+        if t in bt.skipped:
+            return True
+        if self._run_utf8 is None:
+            self._run_utf8 = codecs.getincrementaldecoder("utf-8")()
+        try:
+            if t in bt.value:
+                self._run_utf8.decode(bytes((bt.value[t],)))
+            else:
+                self._run_utf8.decode(b"", final=True)
+                self._run_utf8.reset()
+        except UnicodeDecodeError:
+            return False
+        return True
+
+    def _decode_all(self, tokenizer, ids: list[int], start: int, bt: ByteTokens) -> str:
         """``_render`` by one full decode, and where the output ends in a run of byte tokens, one more of
         the ids before it (only while running: a finished request's text is all streamed)."""
         text = _decode(tokenizer, ids, self.context(tokenizer))
         self._rendered = len(ids)
-        self._run_at = next((i + 1 for i in range(len(ids) - 1, start - 1, -1) if ids[i] not in byte_ids), self._run_at)
+        self._run_at = next((i + 1 for i in range(len(ids) - 1, start - 1, -1) if bt.ends_run(ids[i])), self._run_at)
         if self._run_at >= len(ids) or self.finished:
             self._fixed_chars = len(text)
         else:

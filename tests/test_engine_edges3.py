@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from osd_serve.config import EngineConfig, SamplingParams
+from osd_serve import output
 from osd_serve.engine import SpecEngine
 from tests.conftest import byte_fallback_tokenizer, llama, perturbed
 
@@ -49,19 +50,28 @@ def _scripted_llama(vocab: int, successor: dict[int, int]):
     return model
 
 
-def test_output_that_a_byte_fallback_decoder_rewrites_fails_no_step(tok):
+def _rewriting_pair():
+    """The byte-fallback tokenizer and a scripted target: ▁The -> ▁a -> é (2 bytes) -> a character's first
+    byte -> ▁a ... ; ▁is -> a -> a ... The run <0xC3><0xA9><0xE6> is not UTF-8 once " a" ends it."""
+    sp = byte_fallback_tokenizer()
+    byte = {b: sp.convert_tokens_to_ids(f"<0x{b:02X}>") for b in (0xC3, 0xA9, 0xE6)}
+    the, is_, a, sp_a = (sp.convert_tokens_to_ids(t) for t in ("▁The", "▁is", "a", "▁a"))
+    successor = {the: sp_a, sp_a: byte[0xC3], byte[0xC3]: byte[0xA9], byte[0xA9]: byte[0xE6], byte[0xE6]: sp_a,
+                 is_: a, a: a}
+    return sp, _scripted_llama(len(sp), successor), byte, (the, is_, a, sp_a)
+
+
+@pytest.mark.parametrize("bytes_known", [True, False])
+def test_output_that_a_byte_fallback_decoder_rewrites_fails_no_step(tok, monkeypatch, bytes_known):
     """A byte-fallback decoder rewrites text it already gave: "é" from <0xC3><0xA9>, then <0xE6> (a
     character's first byte) and " a" decode as three U+FFFD and " a". The tokenizers DecodeStream then
     raises "Invalid prefix" (vLLM #17448), out of Request.append and the engine step: every request of
     the batch failed (AsyncSpecServer ends them all with an error). The request is decoded in full from
-    then on, and its text is the tokenizer's decode."""
-    sp = byte_fallback_tokenizer()
-    byte = {b: sp.convert_tokens_to_ids(f"<0x{b:02X}>") for b in (0xC3, 0xA9, 0xE6)}
-    the, is_, a, sp_a = (sp.convert_tokens_to_ids(t) for t in ("▁The", "▁is", "a", "▁a"))
-    # ▁The -> ▁a -> é (2 bytes) -> a character's first byte -> ▁a ... ; ▁is -> a -> a ...
-    successor = {the: sp_a, sp_a: byte[0xC3], byte[0xC3]: byte[0xA9], byte[0xA9]: byte[0xE6], byte[0xE6]: sp_a,
-                 is_: a, a: a}
-    target = _scripted_llama(len(sp), successor)
+    then on, and its text is the tokenizer's decode: once its run stops being UTF-8, or, for a decoder
+    whose byte tokens are not known (bytes_known False), once the stream raises."""
+    sp, target, byte, (the, is_, a, sp_a) = _rewriting_pair()
+    if not bytes_known:
+        monkeypatch.setattr(output, "byte_tokens", lambda tokenizer: output.ByteTokens({}, frozenset()))
     eng = SpecEngine(target, target, sp, EngineConfig(max_batch_size=2))
     params = SamplingParams(max_tokens=9, num_speculative_tokens=0, ignore_eos=True)
     broken, other = eng.generate([[1, the], [1, is_]], params)
@@ -69,14 +79,25 @@ def test_output_that_a_byte_fallback_decoder_rewrites_fails_no_step(tok):
     assert broken.finish_reason == other.finish_reason == "length"
     assert broken.text == sp.decode([1, the] + broken.token_ids, skip_special_tokens=True)[len("The"):]
     assert other.token_ids == [a] * 9 and other.text == "aaaaaaaaa"
-    # the same through the stream, whatever the tokens per step: no step fails, ids and text add up.
-    # The stream held back the run's "é" until " a" ended it, when it became U+FFFD: it had streamed
-    # " aé\ufffd\ufffd a..." (one token per step) and " aé" + ... (k=1) for the final " a\ufffd\ufffd\ufffd a...".
+    # the same through the stream, whatever the tokens per step: no step fails, ids add up; and the text
+    # does where the byte tokens are known. The stream holds back the run's "é" until " a" ends it, when
+    # it becomes U+FFFD: it had streamed " aé\ufffd\ufffd a..." (one token per step) for the final " a\ufffd\ufffd\ufffd a...".
     for k in (0, 1, 4):
         ids, text = [], ""
         for d in SpecEngine(target, target, sp).stream([[1, the]], replace(params, num_speculative_tokens=k)):
             ids, text = ids + d.token_ids, text + d.text
-        assert ids == broken.token_ids and text == broken.text
+        assert ids == broken.token_ids and (text == broken.text or not bytes_known)
+
+
+def test_a_stop_string_that_a_later_byte_of_the_step_rewrites_stops_whatever_k(tok):
+    """stop "é": one token a step, the output stops once <0xC3><0xA9> give "é". With k=4 one step brought
+    <0xE6> and " a" too, the step's text had U+FFFD where "é" had been, and the stop was never seen: 9
+    tokens to max_tokens instead of 3."""
+    sp, target, byte, (the, _, _, sp_a) = _rewriting_pair()
+    params = SamplingParams(max_tokens=9, ignore_eos=True, stop=["é"])
+    for k in (0, 1, 2, 4, 8):
+        (out,) = SpecEngine(target, target, sp).generate([[1, the]], replace(params, num_speculative_tokens=k))
+        assert (out.token_ids, out.text, out.finish_reason) == ([sp_a, byte[0xC3], byte[0xA9]], " a", "stop"), k
 
 
 def test_the_engine_counts_how_requests_ended(tok, target):

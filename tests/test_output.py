@@ -236,9 +236,11 @@ def sp_bytes():
     return sp, [sp.convert_tokens_to_ids(w) for w in _WORDS], [sp.convert_tokens_to_ids(f"<0x{i:02X}>") for i in range(256)]
 
 
-def _words_and_bytes(rng, n: int, word_ids, byte, p_word: float = 0.35, chars: str = "éü日本語🙂xΣ") -> list[int]:
-    """At least n ids: words; characters as their UTF-8 bytes; and, one in ten, a stray byte (a lone
-    first byte, a lone continuation byte or one that is never UTF-8), which makes its run invalid."""
+def _words_and_bytes(rng, n: int, word_ids, byte, p_word: float = 0.35, chars: str = "éü日本語🙂xΣ",
+                     specials=()) -> list[int]:
+    """At least n ids: words; characters as their UTF-8 bytes; one in ten a stray byte (a lone first
+    byte, a lone continuation byte or one that is never UTF-8), which makes its run invalid; and, if
+    given, one in twenty a special id, which a decode skips (so a run of bytes goes on across it)."""
     ids = []
     while len(ids) < n:
         u = rng.random()
@@ -246,6 +248,8 @@ def _words_and_bytes(rng, n: int, word_ids, byte, p_word: float = 0.35, chars: s
             ids.append(rng.choice(word_ids))
         elif u < 0.9:
             ids += [byte[b] for b in rng.choice(chars).encode()]
+        elif specials and u < 0.95:
+            ids.append(rng.choice(specials))
         else:
             ids.append(byte[rng.choice([0xC3, 0xE6, 0xF0, 0x97, 0xA9, 0xFF])])
     return ids
@@ -254,19 +258,24 @@ def _words_and_bytes(rng, n: int, word_ids, byte, p_word: float = 0.35, chars: s
 def test_a_stream_never_shows_text_a_byte_fallback_decoder_rewrites_later(sp_bytes):
     """A byte-fallback decoder (Llama-2, Mistral, Gemma) decodes a run of byte tokens as a whole, one
     U+FFFD per byte where the run is not valid UTF-8: a later byte can rewrite the text of earlier ones
-    ("é" of <0xC3><0xA9>, then <0xE6> and " a": "\\ufffd\\ufffd\\ufffd a"), and the stream had already sent
-    "é". Random outputs of mostly valid characters split into bytes, stray bytes and words, in random
-    steps, with and without stop strings, decoded incrementally or (no fast backend) in full: what
-    streams adds up to the final text, which is the tokenizer's decode; and once a word ends a run of
-    bytes, all the text so far is out."""
+    ("é" of <0xC3><0xA9>, then <0xE6> and " a": "\ufffd\ufffd\ufffd a"), and the stream had already sent
+    "é". Random outputs of mostly valid characters split into bytes, stray bytes, skipped special ids
+    and words, in random steps, with and without stop strings, decoded incrementally or (no fast
+    backend) in full:
+    - what streams adds up to the final text and ids; once a word ends a run of bytes, all is out;
+    - the text is the tokenizer's decode, cut before the first stop string in it (a stop ending a
+      step's text kept the DecodeStream's text, which a Strip decoder's dropped spaces made wrong);
+    - ids, text and finish reason are those of one token a step (a stop that a later byte of its
+      step rewrote was never seen)."""
     sp, word_ids, byte = sp_bytes
     rng = random.Random(0)
     rewritten = 0
     for trial in range(300):
-        ids = _words_and_bytes(rng, 40, word_ids, byte)
-        stop = [rng.choice(["a.", "日本", " is", "\ufffd a"])] if trial % 3 == 0 else []
+        ids = _words_and_bytes(rng, 40, word_ids, byte, chars="éü日本語🙂xΣ ", specials=[0, 1, 2])
+        stop = [rng.choice(["a.", "日本", " is", "\ufffd a", "é"])] if trial % 3 == 0 else []
         tk = _SlowTokenizer(sp) if trial % 4 == 1 else sp
-        r = Request("r", "", [1], SamplingParams(max_tokens=len(ids), stop=stop, ignore_eos=True), None)
+        params = SamplingParams(max_tokens=len(ids), stop=stop, ignore_eos=True)
+        r, one = Request("r", "", [1], params, None), Request("r", "", [1], params, None)
         pos, streamed, streamed_ids = 0, "", []
         while not r.finished:
             n = rng.randint(1, 6)  # accepted tokens per step
@@ -277,8 +286,16 @@ def test_a_stream_never_shows_text_a_byte_fallback_decoder_rewrites_later(sp_byt
             if not r.finished and not stop and r.output_ids[-1] in word_ids:
                 assert streamed == r.text  # a word ended the run: nothing is held back
         assert streamed == r.text and streamed_ids == r.output_ids
-        if not stop:
-            assert r.text == sp.decode([1] + ids, skip_special_tokens=True)
+        full = sp.decode([1] + r.output_ids, skip_special_tokens=True)
+        if r.finish_reason == "stop":
+            assert full.startswith(r.text) and any(full[len(r.text) :].startswith(s) for s in stop)
+            assert not any(s in r.text for s in stop)
+        else:
+            assert r.text == full and r.output_ids == ids
+        for t in ids:
+            if not one.finished:
+                one.append([t], tk, set())
+        assert (one.output_ids, one.text, one.finish_reason) == (r.output_ids, r.text, r.finish_reason)
         rewritten += r._full_decode and tk is sp
     assert rewritten > 10  # runs that a later byte made invalid, after their start decoded to text
 
