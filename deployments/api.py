@@ -185,8 +185,9 @@ def make_app(backend, cfg: AppConfig) -> FastAPI:
         # Chat is rendered where the tokenizer lives (the engine replica); the router classifies text.
         prompt = req.message_dicts() if chat else req.prompt
         text = "\n".join(m["content"] for m in prompt) if chat else prompt
-        # names count too: a chat template renders them, and tokenizing is what the limit bounds
-        chars = len(text) + sum(len(m.get("name") or "") for m in prompt) if chat else len(text) if isinstance(text, str) else 0
+        chars = len(text) if isinstance(text, str) else 0  # token ids: capped by the body limit above
+        if chat:  # names count too: a chat template renders them, and tokenizing is what the limit bounds
+            chars += sum(len(m.get("name") or "") for m in prompt)
         if chars > cfg.prompt_char_limit:
             field = "messages" if chat else "prompt"
             raise RequestError(f"{field}: {chars} characters, more than max_prompt_chars ({cfg.prompt_char_limit})", field)

@@ -153,6 +153,7 @@ class _SlowTokenizer:
     def __init__(self, tok):
         self.decode = tok.decode
         self.convert_tokens_to_ids, self.convert_ids_to_tokens = tok.convert_tokens_to_ids, tok.convert_ids_to_tokens
+        self.all_special_ids, self.added_tokens_decoder = tok.all_special_ids, tok.added_tokens_decoder
 
 
 def test_a_full_decode_finds_a_stop_string_after_a_character_split_across_tokens(bpe):
@@ -269,7 +270,7 @@ def test_a_stream_never_shows_text_a_byte_fallback_decoder_rewrites_later(sp_byt
       step rewrote was never seen)."""
     sp, word_ids, byte = sp_bytes
     rng = random.Random(0)
-    rewritten = 0
+    rewritten = resumed = 0
     for trial in range(300):
         ids = _words_and_bytes(rng, 40, word_ids, byte, chars="éü日本語🙂xΣ ", specials=[0, 1, 2])
         stop = [rng.choice(["a.", "日本", " is", "\ufffd a", "é"])] if trial % 3 == 0 else []
@@ -285,6 +286,8 @@ def test_a_stream_never_shows_text_a_byte_fallback_decoder_rewrites_later(sp_byt
             streamed, streamed_ids = streamed + d.text, streamed_ids + d.token_ids
             if not r.finished and not stop and r.output_ids[-1] in word_ids:
                 assert streamed == r.text  # a word ended the run: nothing is held back
+                # and a stream decodes again, after a run that was not UTF-8 too (it was a full decode a step)
+                assert r._stream is not None or tk is not sp
         assert streamed == r.text and streamed_ids == r.output_ids
         full = sp.decode([1] + r.output_ids, skip_special_tokens=True)
         if r.finish_reason == "stop":
@@ -296,8 +299,10 @@ def test_a_stream_never_shows_text_a_byte_fallback_decoder_rewrites_later(sp_byt
             if not one.finished:
                 one.append([t], tk, set())
         assert (one.output_ids, one.text, one.finish_reason) == (r.output_ids, r.text, r.finish_reason)
-        rewritten += r._full_decode and tk is sp
-    assert rewritten > 10  # runs that a later byte made invalid, after their start decoded to text
+        texts = [sp.decode([1] + r.output_ids[:j], skip_special_tokens=True).rstrip("\ufffd") for j in range(len(r.output_ids))]
+        rewritten += not all(full.startswith(t) for t in texts)
+        resumed += r._stream is not None and "\ufffd" in r.text
+    assert rewritten > 50 and resumed > 10  # runs a later byte made invalid, after text of theirs was decoded
 
 
 def test_output_bytes_never_turn_the_prompts_last_bytes_into_replacement_characters(sp_bytes):
@@ -325,3 +330,37 @@ def test_output_bytes_never_turn_the_prompts_last_bytes_into_replacement_charact
         last_word = max(i for i, t in enumerate(prompt) if t not in byte)
         head = sp.decode(prompt[: last_word + 1], **kw)
         assert r.text == sp.decode(prompt[: last_word + 1] + out, **kw)[len(head) :]
+
+
+def test_a_special_token_that_only_the_added_tokens_mark_is_inside_a_byte_run(sp_bytes):
+    """Added tokens marked special (<unused0>, ChatML's <|im_start|>) are skipped by a decode, but not in
+    the special-tokens map: taken as ending a byte run, the run's "é" was streamed and then became
+    U+FFFD with the next byte."""
+    from tokenizers import AddedToken
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.conftest import byte_fallback_tokenizer
+
+    byte = sp_bytes[2]
+    backend = byte_fallback_tokenizer(_WORDS).backend_tokenizer
+    backend.add_special_tokens([AddedToken("<unused0>", special=True)])
+    sp = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>", bos_token="<s>", unk_token="<unk>")
+    unused, a = sp.convert_tokens_to_ids("<unused0>"), sp.convert_tokens_to_ids("▁a")
+    assert unused not in sp.all_special_ids
+    for tk in (sp, _SlowTokenizer(sp)):
+        r, streamed = Request("r", "", [1, a], SamplingParams(max_tokens=99, ignore_eos=True), None), ""
+        for step in ([a, byte[0xFF], a], [byte[0xC3], byte[0xA9], unused], [byte[0xFF], a]):
+            r.append(step, tk, set())
+            streamed += r.delta().text
+        assert streamed == r.text == " a\ufffd a\ufffd\ufffd\ufffd a"
+
+
+def test_a_prompt_of_only_byte_tokens_keeps_the_outputs_first_space(sp_bytes):
+    """The output is decoded after the prompt's last word, which a prompt of token ids that are all bytes
+    lacks: decoded alone, a Strip decoder dropped its first space ("a a" for " a a")."""
+    sp, _, byte = sp_bytes
+    a = sp.convert_tokens_to_ids("▁a")
+    for prompt in ([1, byte[0xC3], byte[0xA9], byte[0x3A]], [byte[0x3A]]):
+        r = Request("r", "", prompt, SamplingParams(max_tokens=2, ignore_eos=True), None)
+        r.append([a, a], sp, set())
+        assert r.text == sp.decode(prompt + [a, a], skip_special_tokens=True)[len(sp.decode(prompt, skip_special_tokens=True)) :] == " a a"
