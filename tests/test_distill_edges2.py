@@ -186,3 +186,24 @@ def test_train_settings_that_silently_break_training_are_refused(field, value):
         TrainConfig(**{field: value})
     TrainConfig(max_grad_norm=float("inf"))  # no clipping stays allowed
 
+
+
+def test_the_lora_adapter_starts_from_the_configured_seed_whatever_drew_before(models):
+    """peft draws lora_A from the global RNG, so two data-parallel ranks built their adapters from
+    whatever their processes had drawn before (their averaged gradients then moved different
+    adapters). The seed fixes it, and building leaves the caller's RNG stream as it was."""
+    _, draft = models
+
+    def lora_a(seed, draws):
+        torch.manual_seed(1234)
+        torch.rand(draws)  # another user of the global RNG, before the trainer is built
+        t = DistillTrainer(draft, TrainConfig(mode="lora", seed=seed))
+        after = torch.rand(1)
+        return [p.detach().clone() for n, p in t.student.named_parameters() if "lora_A" in n], after
+
+    (a, after_a), (b, after_b), (c, _) = lora_a(0, 1), lora_a(0, 7), lora_a(1, 1)
+    assert all(torch.equal(x, y) for x, y in zip(a, b)) and len(a) > 0
+    assert not all(torch.equal(x, y) for x, y in zip(a, c))
+    torch.manual_seed(1234)
+    torch.rand(1)
+    assert torch.equal(after_a, torch.rand(1))  # the build drew nothing from the caller's stream

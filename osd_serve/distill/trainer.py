@@ -115,7 +115,12 @@ class DistillTrainer:
             from peft import LoraConfig, get_peft_model
 
             lcfg = LoraConfig(r=self.cfg.lora_r, lora_alpha=self.cfg.lora_alpha, target_modules="all-linear")
-            student = get_peft_model(student, lcfg)
+            # peft draws lora_A from the global RNG: seeded here, every data-parallel rank (each builds its
+            # own, deployments/distiller.py) starts from the same adapter whatever else drew before,
+            # which averaging their gradients assumes; and the caller's RNG stream is left as it was.
+            with torch.random.fork_rng():
+                torch.manual_seed(self.cfg.seed)
+                student = get_peft_model(student, lcfg)
         return student.train()
 
     def reset_to(self, state: dict[str, torch.Tensor]) -> None:
