@@ -184,7 +184,7 @@ class Request:
     _until_run_ends: bool = False  # its last byte run is not UTF-8: decoded in full until a token ends it
     _run_at: int = 0  # output ids from here on are byte tokens (or skipped specials), whose text a later one may rewrite
     _fixed_chars: int = 0  # the chars of ``text`` before that run, which no later token changes
-    _run_utf8: codecs.IncrementalDecoder | None = None  # that run's bytes so far, to see when they stop being UTF-8
+    _run_utf8: codecs.IncrementalDecoder | None = None  # an open run's bytes so far, to see when they stop being UTF-8
     _context: list[int] | None = None  # see context()
 
     @property
@@ -334,17 +334,18 @@ class Request:
 
     def _run_still_utf8(self, t: int, bt: ByteTokens) -> bool:
         """Whether the output's last run of byte tokens, t included, can still decode as UTF-8: every byte
-        fits, and a token ending the run leaves no character unfinished (its bytes are U+FFFD too)."""
+        fits, and a token ending the run leaves no character unfinished (its bytes are U+FFFD too).
+        ``_run_utf8`` exists only while a run is open, so a token that is not a byte costs nothing."""
         if t in bt.skipped:
             return True
-        if self._run_utf8 is None:
-            self._run_utf8 = codecs.getincrementaldecoder("utf-8")()
         try:
             if t in bt.value:
+                if self._run_utf8 is None:
+                    self._run_utf8 = codecs.getincrementaldecoder("utf-8")()
                 self._run_utf8.decode(bytes((bt.value[t],)))
-            else:
-                self._run_utf8.decode(b"", final=True)
-                self._run_utf8.reset()
+            elif self._run_utf8 is not None:
+                run, self._run_utf8 = self._run_utf8, None
+                run.decode(b"", final=True)
         except UnicodeDecodeError:
             return False
         return True

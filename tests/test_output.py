@@ -172,20 +172,16 @@ def test_the_first_token_keeps_its_leading_space_with_a_sentencepiece_decoder():
     """Llama-2/Mistral-style decoders strip the start of a text: the output decoded alone lost its first
     space ("Paris." for "The capital is" + "▁Paris."), in the stream and the final text, and a stop
     string starting with that space could never match."""
-    from tokenizers import Tokenizer, decoders, models, normalizers
-    from transformers import PreTrainedTokenizerFast
+    from tests.conftest import byte_fallback_tokenizer
 
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "▁The": 3, "▁capital": 4, "▁is": 5, "▁Paris": 6, ".": 7, "▁": 8}
-    tk = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", fuse_unk=True))
-    tk.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    tk.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
-    sp = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="</s>", bos_token="<s>", unk_token="<unk>")
-    prompt = [1, 3, 4, 5]  # <s> The capital is
-    assert sp.decode(prompt + [6, 7], skip_special_tokens=True) == "The capital is Paris."
+    sp = byte_fallback_tokenizer(["▁The", "▁capital", "▁is", "▁Paris", ".", "▁"])
+    the, capital, is_, paris, dot = sp.convert_tokens_to_ids(["▁The", "▁capital", "▁is", "▁Paris", "."])
+    prompt = [1, the, capital, is_]  # <s> The capital is
+    assert sp.decode(prompt + [paris, dot], skip_special_tokens=True) == "The capital is Paris."
     for stop, want in (((), " Paris."), ((" Paris",), "")):
         r = Request("r", "", prompt, SamplingParams(max_tokens=8, stop=list(stop)), None)
         streamed = ""
-        for t in (6, 7, 2):
+        for t in (paris, dot, 2):
             if not r.finished:
                 r.append([t], sp, {2})
                 streamed += r.delta().text
