@@ -187,13 +187,12 @@ def _tok_s(engine: SpecEngine, prompts: list[str], params: SamplingParams) -> fl
 
 
 def _while_training(fn, trainer: DistillTrainer, records: list, steps: list[int]):
-    """fn() with a thread training on ``records`` beside it; steps[0] counts the steps taken."""
+    """fn() with a thread training on ``records`` beside it; steps[0] counts the optimizer steps taken."""
     stop = threading.Event()
 
     def train():
         while not stop.is_set():
-            trainer.train(records, steps=1)
-            steps[0] += 1
+            steps[0] += len(trainer.train(records, steps=1))  # a step skipped for a non-finite gradient returns no loss
 
     th = threading.Thread(target=train, daemon=True)
     th.start()
@@ -309,17 +308,18 @@ def _online(target, draft, tokenizer, prompts, params, train_cfg, buffer_cfg, re
     shutil.rmtree(out / "versions", ignore_errors=True)
     store = VersionStore(out / "versions", keep_last=5)
     dist = OnlineDistiller(eng, trainer, ReplayBuffer(buffer_cfg), store, guard_cfg, record_cfg)
+    ups: list = []  # every update (dist.updates keeps only the newest)
+    dist.on_update = ups.append
     dist.start()
     try:
         traces, toks, wall = run_stream(eng, prompts, params, "online")
     finally:
         dist.stop()
-    ups = dist.updates
     finish_run("online", traces, toks, wall, {
         "updates": len(ups), "published": sum(u.published for u in ups), "refused": [u.reason for u in ups if not u.published],
         "update_log": [{k: v for k, v in asdict(u).items() if k != "losses"} | {"loss_first": u.losses[0] if u.losses else None,
                         "loss_last": u.losses[-1] if u.losses else None} for u in ups],
-        "loss_curve": list(trainer.losses), "versions_kept": store.versions,
+        "loss_curve": [x for u in ups for x in u.losses], "versions_kept": store.versions,
     })
     records = list(dist.buffer.shard("default").records)
     if records:

@@ -153,7 +153,7 @@ class SpecService:
             out[name] = {"serving_version": eng.draft_version, "running": len(eng.running), "waiting": len(eng.waiting),
                          "finished": finish_counts(eng.finished),
                          "versions": dist.store.versions if dist else self._watched_versions(name),
-                         "updates": len(dist.updates) if dist else 0,
+                         "updates": dist.n_updates if dist else 0,
                          "buffer_bytes": dist.buffer.nbytes if dist else 0, "last_error": dist.error if dist else None}
         return {"experts": out, "replica": self.replica_tag}
 

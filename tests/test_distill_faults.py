@@ -75,9 +75,10 @@ def test_a_record_with_a_non_finite_distribution_does_not_stall_distillation(mod
 
 def test_the_recorder_keeps_no_position_whose_target_distribution_is_not_finite():
     """A target logit at inf (float16 overflow) serves greedily but has a NaN softmax: such a position
-    must not reach the buffer. One step of two rows, k = 2, every position kept (keep='all')."""
-    records = []
-    rec = Recorder(RecordConfig("all"), on_finish=lambda r, t: records.append(r))
+    must not reach the buffer, nor its NaN overlap the request's expected acceptance (which replay and
+    W&B average over traces). One step of two rows, k = 2, every position kept (keep='all')."""
+    records, traces = [], []
+    rec = Recorder(RecordConfig("all"), on_finish=lambda r, t: (records.append(r), traces.append(t)))
     logits = torch.randn(2, 3, 8)  # [B, k+1, V]
     logits[0, 1, 5] = float("inf")  # row 0's second position overflowed
     p, q = torch.softmax(logits, -1), torch.softmax(torch.randn(2, 2, 8), -1)
@@ -87,6 +88,10 @@ def test_the_recorder_keeps_no_position_whose_target_distribution_is_not_finite(
         rec.finish(SimpleNamespace(request_id=rid, prompt_ids=[1, 2], output_ids=[3, 4, 5]))
     assert records[0].positions.tolist() == [0, 2] and records[1].positions.tolist() == [0, 1, 2]
     assert all(torch.isfinite(r.probs.float()).all() for r in records)
+    overlap = torch.minimum(p[:, :2], q).sum(-1)  # [B, k]
+    assert traces[0].expected_acceptance == pytest.approx(float(overlap[0, 0]))  # position 1 is not scored
+    assert traces[1].expected_acceptance == pytest.approx(float(overlap[1].mean()))
+    assert traces[0].greedy_acceptance == traces[1].greedy_acceptance == 1.0
 
 
 def test_reservoir_keeps_a_uniform_sample_when_records_differ_in_size():

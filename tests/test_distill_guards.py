@@ -204,3 +204,35 @@ def test_a_version_that_could_not_be_written_is_never_served(models, tok, drafts
     assert "No space" in dist.error and dist.updates[-1].reason.startswith("error:")
     assert _serves(dist, weak) and dist.engine.draft_version == 0 and dist.store.versions == [0]
     assert _same(dist.trainer.serving_state(), weak) and _same(dist.serving.state_dict(), weak)
+
+
+def test_guard_samples_a_published_update_trained_on_are_never_held_out_again(models, tok, drafts):
+    """Of 4 guard samples, a cap of 2 holds out the newest 2 and the update trains on the older 2. Once
+    it publishes, the draft that serves has fitted those 2, so a later split (here a raised cap, as a
+    redeploy can bring) must not score the guard on them; a refused update trained nothing that lasts."""
+    weak, mid, good = drafts
+    nan = {n: torch.full_like(t, math.nan) if t.is_floating_point() else t for n, t in good.items()}
+    dist = _scripted(models, tok, [nan, good, mid])
+    dist.guard = GuardConfig(max_heldout=2)
+    guard_samples = [r for r in dist.buffer.shard("default").records if r.heldout]
+    assert len(guard_samples) == 4
+    refused = dist.update()
+    assert not refused.published and all(r.heldout for r in guard_samples)
+    first = dist.update()
+    assert first.published and first.heldout_records == 2
+    assert [r.heldout for r in guard_samples] == [False, False, True, True]
+    dist.guard = GuardConfig(max_heldout=4)
+    second = dist.update()
+    assert second.heldout_records == 2 and second.train_records == 14
+
+
+def test_a_long_running_distiller_keeps_only_the_newest_update_results(models, tok, drafts, monkeypatch):
+    """An update every few seconds for weeks: the distiller keeps the newest results, counts them all
+    (/admin/experts), and on_update (telemetry, replay's full log) still sees every one."""
+    monkeypatch.setattr(OnlineDistiller, "MAX_UPDATES_KEPT", 2)
+    weak, mid, good = drafts
+    dist = _scripted(models, tok, [mid, good, good])
+    seen = []
+    dist.on_update = seen.append
+    results = [dist.update() for _ in range(3)]
+    assert list(dist.updates) == results[1:] and seen == results and dist.n_updates == 3

@@ -60,14 +60,16 @@ def test_guard_every_1_makes_every_request_a_guard_sample():
 def test_positions_a_stop_or_max_tokens_cut_off_are_not_recorded():
     """A step verifies k + 1 positions, but max_tokens (or a stop string) can end the request after
     the first few: a record must hold the target's distributions for the response it has, never for
-    a token that was cut (it would train the draft to predict past the end of the response)."""
-    out = []
-    rec = Recorder(RecordConfig("all"), on_finish=lambda r, t: out.append(r))
+    a token that was cut (it would train the draft to predict past the end of the response). Nor does
+    the trace count the cut tokens as emitted: tokens per target forward is what was output."""
+    out, traces = [], []
+    rec = Recorder(RecordConfig("all"), on_finish=lambda r, t: (out.append(r), traces.append(t)))
     p, q = torch.softmax(torch.randn(1, 4, 8), -1), torch.softmax(torch.randn(1, 3, 8), -1)
     rec.observe_probs([("a", "default")], p, q, [3], [3], [0], [0])  # 4 positions verified
     rec.finish(SimpleNamespace(request_id="a", prompt_ids=[1], output_ids=[5, 6]))  # 2 kept by max_tokens
     assert out[0].positions.tolist() == [0, 1] and out[0].response_ids.tolist() == [5, 6]
     assert torch.equal(out[0].probs, p[0, :2].half())
+    assert traces[0].summary()["tokens_per_target_forward"] == 2.0 and traces[0].greedy_acceptance == 1.0
 
 
 # ---- the buffer -------------------------------------------------------------------------------------

@@ -48,6 +48,15 @@ def split_for_guard(heldout_flags: list[bool], cfg: GuardConfig) -> tuple[list[i
     return [i for i in range(n) if i not in held], guard
 
 
+def retire_guard_samples(trained: list) -> None:
+    """The guard samples among ``trained`` (records, or the Ray buffer's RecordRefs) become ordinary
+    records once an update trained on them is published. The buffer keeps them, and a later split
+    could hold them out again (its held-out count grows with the buffer, or too few guard samples
+    came since): scored on data both drafts had fitted, the guard would no longer be held out."""
+    for r in trained:
+        r.heldout = False
+
+
 @dataclass
 class Verdict:
     publish: bool

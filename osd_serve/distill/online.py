@@ -12,9 +12,10 @@ import copy
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
-from .guard import GuardConfig, check, split_for_guard
+from .guard import GuardConfig, check, retire_guard_samples, split_for_guard
 from .recorder import Recorder, RecordConfig
 from .replay import ReplayBuffer
 from .trainer import DistillTrainer
@@ -39,6 +40,8 @@ class UpdateResult:
 
 
 class OnlineDistiller:
+    MAX_UPDATES_KEPT = 1000
+
     def __init__(self, engine, trainer: DistillTrainer, buffer: ReplayBuffer, store: VersionStore,
                  guard: GuardConfig | None = None, record: RecordConfig | None = None, on_trace=None):
         self.engine, self.trainer, self.buffer, self.store = engine, trainer, buffer, store
@@ -47,7 +50,10 @@ class OnlineDistiller:
         self.on_update = None  # called with each UpdateResult (telemetry)
         self.vocab = engine.vocab
         self.serving = copy.deepcopy(engine.draft).eval()  # the guard's copy of what serves now
-        self.updates: list[UpdateResult] = []
+        # The newest results (for tests and a look from the REPL): a replica runs for weeks, an update
+        # every few seconds under load. n_updates counts all of them; on_update sees each.
+        self.updates: deque[UpdateResult] = deque(maxlen=self.MAX_UPDATES_KEPT)
+        self.n_updates = 0
         self.training = threading.Event()  # set while an update runs (for throughput accounting)
         self._lock = threading.Lock()  # guards the buffer (the serving thread adds to it)
         self._update_lock = threading.Lock()  # one update (or rollback) at a time: they share the trainer
@@ -130,16 +136,22 @@ class OnlineDistiller:
                 self.serving.load_state_dict(state, strict=False)
                 self.trainer.commit()
                 self.engine.swap_draft(state, version)
+                with self._lock:  # what serves now has learnt them: no later guard may score on them
+                    retire_guard_samples(train)
             else:
                 self.trainer.revert()
         finally:
             self.training.clear()
         res = UpdateResult(expert, trigger, verdict.publish, verdict.reason, version, len(train), len(heldout), losses,
                            verdict.candidate, verdict.serving, time.perf_counter() - t0)
+        self._done(res)
+        return res
+
+    def _done(self, res: UpdateResult) -> None:
         self.updates.append(res)
+        self.n_updates += 1
         if self.on_update is not None:
             self.on_update(res)
-        return res
 
     def rollback(self, to: int | None = None) -> int:
         with self._update_lock:
@@ -180,9 +192,7 @@ class OnlineDistiller:
         self.training.clear()
         self.trainer.revert()
         res = UpdateResult(expert, trigger, False, f"error: {e!r}", None, 0, 0)
-        self.updates.append(res)
-        if self.on_update is not None:
-            self.on_update(res)
+        self._done(res)
 
     def stop(self) -> None:
         self._stop.set()

@@ -49,6 +49,7 @@ class RequestTrace:
     accepted: int = 0
     expected: float = 0.0  # sum over tested positions of sum_x min(p(x), q(x)): raw p and q colocated;
     # the disaggregated verifier has only the processed q (one-hot under greedy)
+    scored: int = 0  # the tested positions in ``expected``: those whose p and q were finite
     steps: int = 0
     emitted: int = 0
     draft_version: int = 0  # the version that served the request's last step
@@ -65,7 +66,7 @@ class RequestTrace:
 
     @property
     def expected_acceptance(self) -> float | None:
-        return self.expected / self.tested if self.tested else None
+        return self.expected / self.scored if self.scored else None
 
     def summary(self) -> dict:
         return {
@@ -123,7 +124,11 @@ class Recorder:
             tested = a + (a < kr)  # the draft positions whose context was on the target's path
             tr.tested += tested
             tr.accepted += a
-            tr.expected += float(overlap[i, :tested].sum())
+            # A non-finite p (or q) gives a NaN overlap, which would make the request's expected
+            # acceptance NaN, and with it every mean over traces it joins (replay, W&B)
+            ok = torch.isfinite(overlap[i, :tested])
+            tr.expected += float(overlap[i, :tested][ok].sum())
+            tr.scored += int(ok.sum())
             tr.steps += 1
             tr.emitted += a + 1
             tr.draft_version = versions[i]
@@ -147,6 +152,7 @@ class Recorder:
     def finish(self, request) -> tuple[ReplayRecord | None, RequestTrace]:
         tr = self.traces.pop(request.request_id, None) or RequestTrace(request.request_id)
         n = len(request.output_ids)  # stop strings and max_tokens may have cut the last step short
+        tr.emitted = min(tr.emitted, n)  # what was output, as the engine's tokens per step counts it
         keep = [j for j, pos in enumerate(tr.positions) if pos < n]
         rec = None
         if keep:

@@ -28,7 +28,8 @@ class ReplayRecord:
     created: float = field(default_factory=time.monotonic)
     # A guard sample: every verified position kept, whatever RecordConfig.keep says (recorder.py), so
     # the guard scores drafts on positions the serving draft did not choose; held out of training
-    # while it is among the newest (guard.split_for_guard).
+    # while it is among the newest (guard.split_for_guard), an ordinary record once a published update
+    # trained on it (guard.retire_guard_samples).
     heldout: bool = False
 
     @property
@@ -91,8 +92,8 @@ class Shard:
     """Records of one expert, bounded by bytes. FIFO drops the oldest; reservoir keeps a uniform
     sample of everything ever offered (Vitter's algorithm R, by bytes-bounded capacity). In reservoir
     mode the update trigger counts the records kept, not those offered, as that is what changes the
-    training data; the guard's newest samples may then include one an earlier update trained on
-    (what displaced it is gone), which can only make the guard stricter."""
+    training data. A guard sample that a published update trained on is no longer one
+    (guard.retire_guard_samples), so evicting newer ones never brings it back into the held-out slice."""
 
     def __init__(self, cfg: BufferConfig, rng: random.Random):
         self.cfg, self.rng = cfg, rng

@@ -103,7 +103,6 @@ class DistillTrainer:
         self._rng = random.Random(self.cfg.seed)
         self._published = self._trainable_state()
         self.optimizer = self._new_optimizer()
-        self.losses: list[float] = []  # every optimizer step's loss: the loss curve
         self.skipped_steps = 0  # steps not taken for a non-finite gradient
 
     def _build_student(self, state: dict | None):
@@ -211,7 +210,6 @@ class DistillTrainer:
                 continue
             self.optimizer.step()
             out.append(loss.item())
-        self.losses.extend(out)
         return out
 
     def _minibatch(self, records: list[ReplayRecord]) -> list[ReplayRecord]:
