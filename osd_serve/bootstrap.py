@@ -217,7 +217,8 @@ def _cache_name(data_files: list[str] | None, preset: str, cfg: PairConfig) -> s
     for p in data_files:
         # Path, size and modification time (not content) keep the key cheap for multi-GB files.
         st = os.stat(p)
-        h.update(f"{os.path.abspath(p)}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+        # fsencode: a file name that is not UTF-8 holds surrogate escapes, which .encode() refused
+        h.update(os.fsencode(os.path.abspath(p)) + f"\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
     return f"pair-{h.hexdigest()[:12]}"
 
 

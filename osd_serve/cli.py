@@ -103,6 +103,8 @@ def _prompt_field(line: str, path: str, n: int, field: str) -> str:
         rec = json.loads(line)
     except json.JSONDecodeError as e:
         raise SystemExit(f"error: {path}:{n}: not valid JSON ({e.msg})")
+    except RecursionError:  # json's decoder recurses per level
+        raise SystemExit(f"error: {path}:{n}: JSON nested too deeply") from None
     if not isinstance(rec, dict) or not isinstance(rec.get(field), str):
         raise SystemExit(f"error: {path}:{n}: expected an object with a string field {field!r}")
     if (bad := lone_surrogate(rec[field])) is not None:  # the tokenizer refused it after the load, naming no cause
@@ -137,14 +139,17 @@ def _load(args):
 
     if bool(args.target) != bool(args.draft):
         raise SystemExit("error: give both --target and --draft, or neither for the embedded default pair")
-    if not args.target:
-        from .bootstrap import build_pair
-
-        pair = build_pair()
-        args.target, args.draft = pair["target"], pair["draft"]
     try:
-        return load_pair(ModelConfig(target=args.target, draft=args.draft, dtype=args.dtype, draft_dtype=args.draft_dtype,
-                                     device=args.device, cpu_packed_linear=args.packed_linear))
+        # Built (and so checked) first: a --dtype or --device typo failed only after a fresh machine's
+        # build of the default pair, minutes of training
+        cfg = ModelConfig(target=args.target or "", draft=args.draft or "", dtype=args.dtype, draft_dtype=args.draft_dtype,
+                          device=args.device, cpu_packed_linear=args.packed_linear)
+        if not args.target:
+            from .bootstrap import build_pair
+
+            pair = build_pair()
+            args.target, args.draft = cfg.target, cfg.draft = pair["target"], pair["draft"]
+        return load_pair(cfg)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
 
@@ -152,7 +157,8 @@ def _load(args):
 def cmd_bootstrap(args) -> None:
     from .bootstrap import build_pair
 
-    if args.out and os.path.exists(args.out) and not os.path.isdir(args.out):  # mkdir's "File exists" named no option
+    out = os.path.expanduser(args.out) if args.out else None  # as build_pair expands it
+    if out and os.path.exists(out) and not os.path.isdir(out):  # mkdir's "File exists" named no option
         raise SystemExit(f"error: --out {args.out} is not a directory")
     pair = build_pair(data_files=args.data, out_root=args.out, force=args.force, preset=args.preset)
     print(json.dumps({"target": pair["target"], "draft": pair["draft"]}))
@@ -282,7 +288,8 @@ def cmd_bench(args) -> None:
 
 def _bench_prompts(args) -> list[str]:
     """The first --num-prompts of --prompts, else of the prompts.jsonl beside a bootstrapped pair."""
-    beside = str(Path(args.target).parent / "prompts.jsonl") if args.target else None
+    # expanded as the loaders expand it: bash leaves the ~ of --target=~/pair/target as it is
+    beside = str(Path(args.target).expanduser().parent / "prompts.jsonl") if args.target else None
     if not args.prompts and not (beside and Path(beside).is_file()):
         raise SystemExit("error: --prompts FILE.jsonl is needed: only a bootstrap pair has prompts.jsonl beside it")
     # Checked here, before the run: the report was written over the prompts file at its end.
@@ -354,7 +361,8 @@ def _replay_args(r: argparse.ArgumentParser) -> None:
     r.add_argument("--order", choices=["sequential", "shuffle"], default="sequential",
                    help="sequential: files one after another (a distribution shift; each file's share is a random sample of it, "
                         "in random order); shuffle: all files mixed")
-    r.add_argument("--seed", type=int, default=0)
+    # torch.manual_seed's range: a seed past it failed at the trainer's build, after the static run
+    r.add_argument("--seed", type=_at_least(SEED_RANGE[0], SEED_RANGE[1] - 1), default=0)
     r.add_argument("--max-requests", type=_at_least(1), default=None, help="total; sequential order gives each file an equal share")
     r.add_argument("--max-tokens", type=_at_least(1), default=64)
     # At least 1: replay measures acceptance, and at k = 0 nothing is drafted (every α was None)

@@ -84,12 +84,16 @@ def numbered_records(path: str) -> Iterator[tuple[int, object]]:
                             yield n, json.loads(line)
                         except json.JSONDecodeError as e:
                             raise ValueError(f"{path}:{n}: not valid JSON ({e.msg}, column {e.colno})") from None
+                        except RecursionError:  # json's decoder recurses per level: a traceback, naming no line
+                            raise ValueError(f"{path}:{n}: JSON nested too deeply") from None
         elif name.endswith(".json"):
             with open(path, encoding="utf-8-sig") as f:
                 try:
                     data = json.load(f)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{path}:{e.lineno}: not valid JSON ({e.msg}, column {e.colno})") from None
+                except RecursionError:
+                    raise ValueError(f"{path}: JSON nested too deeply") from None
             yield from enumerate(data if isinstance(data, list) else [data], 1)
         else:
             raise ValueError(f"data file {path!r}: unsupported type (want .jsonl, .jsonl.gz or .json)")

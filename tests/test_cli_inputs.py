@@ -274,3 +274,66 @@ def test_generate_prints_its_output_when_the_write_fails(models, tmp_path, monke
     out = capsys.readouterr().out
     assert e.value.code != 0 and "No space left" in str(e.value.code)
     assert [json.loads(x)["prompt"] for x in out.splitlines()] == ["def f(", "x = 1"]
+
+
+@pytest.mark.parametrize("argv", [["generate", "--prompts", "P", "--dtype", "fp16"],
+                                  ["bench", "--draft-dtype", "half"],
+                                  ["replay", "--data", "P", "--out", "OUT", "--device", "gpu"]])
+def test_dtype_and_device_are_checked_before_the_default_pair_is_built(argv, tmp_path, monkeypatch, capsys):
+    """With no --target/--draft a fresh machine first trains the default pair (minutes): a typo in
+    --dtype, --draft-dtype or --device must fail before that, not after."""
+    import osd_serve.bootstrap as bootstrap
+
+    def build_pair(*a, **kw):
+        raise AssertionError("the default pair was built before the options were checked")
+
+    monkeypatch.setattr(bootstrap, "build_pair", build_pair)
+    prompts = _jsonl(tmp_path / "p.jsonl", ["hello"])
+    argv = [prompts if a == "P" else str(tmp_path / "run") if a == "OUT" else a for a in argv]
+    err = _error(argv, capsys)
+    assert ("dtype" in err or "device" in err) and "AssertionError" not in err, err
+
+
+def test_json_nested_too_deeply_names_its_file_and_line(tmp_path, capsys):
+    """json's decoder recurses per level: a RecursionError came out as a traceback."""
+    from osd_serve.corpus import numbered_records
+
+    deep = '{"prompt": ' + "[" * 100_000 + "}"
+    jsonl, arr = tmp_path / "d.jsonl", tmp_path / "d.json"
+    jsonl.write_text('{"prompt": "ok"}\n' + deep + "\n")
+    arr.write_text(deep)
+    assert f"{jsonl}:2: JSON nested too deeply" in _error(["generate", "--prompts", str(jsonl)], capsys)
+    for path, where in ((jsonl, f"{jsonl}:2"), (arr, str(arr))):
+        with pytest.raises(ValueError, match=f"^{where}: JSON nested too deeply"):
+            list(numbered_records(str(path)))
+
+
+def test_replay_refuses_a_seed_torch_cannot_take_before_any_work(tmp_path, capsys):
+    """torch.manual_seed refused it at the trainer's build, after the whole static run, naming nothing."""
+    data = _jsonl(tmp_path / "d.jsonl", ["hello"])
+    for seed in (2**63, -(2**63) - 1):
+        err = _error(["replay", "--data", data, "--out", str(tmp_path / "run"), "--seed", str(seed)], capsys)
+        assert "--seed" in err and not (tmp_path / "run").exists()
+
+
+def test_bench_finds_the_prompts_beside_a_pair_given_with_a_tilde(tmp_path, monkeypatch):
+    """bash leaves the ~ of --target=~/pair/target as it is; the loaders expand it, and so must the
+    look for the pair's prompts.jsonl."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "pair").mkdir()
+    _jsonl(tmp_path / "pair" / "prompts.jsonl", ["one", "two", "three"])
+    args = SimpleNamespace(target="~/pair/target", prompts=None, out=None, num_prompts=2)
+    assert cli._bench_prompts(args) == ["one", "two"]
+
+
+def test_a_data_file_whose_name_is_not_utf8_keys_the_cache(tmp_path):
+    """Its name holds surrogate escapes, which str.encode refused, naming neither file nor option."""
+    from pathlib import Path
+
+    from osd_serve import bootstrap
+
+    path = os.fsdecode(os.path.join(os.fsencode(tmp_path), b"bad\xffname.jsonl"))
+    _jsonl(Path(path), ["x"])
+    other = _jsonl(tmp_path / "other.jsonl", ["x"])
+    names = {bootstrap._cache_name([p], "default", bootstrap.PRESETS["default"]) for p in (path, other)}
+    assert len(names) == 2 and all(n.startswith("pair-") for n in names)
