@@ -37,10 +37,11 @@ class SpecServer:
             tag, private = "local", False
         sink = None
         if self.cfg.distill.enabled and self.cfg.distill.backend == "ray_train":
-            from .distiller import connect, send_record, start_heartbeat
+            from .distiller import connect, pair_of, send_record, start_heartbeat
 
             self.buffer, self.controller = connect(self.cfg)
-            sink = lambda record: send_record(self.buffer, record)  # noqa: E731
+            pair = pair_of(self.cfg)
+            sink = lambda record: send_record(self.buffer, record, pair)  # noqa: E731
         self.service = SpecService(self.cfg, replica_tag=tag, record_sink=sink, private_versions=private)
         if sink is not None:
             start_heartbeat(self.controller, tag, self.service.load)

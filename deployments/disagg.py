@@ -190,10 +190,11 @@ class Verifier(_Batched):
         if self.cfg.distill.enabled:  # backend ray_train (config.py): records go to the cluster's buffer
             from osd_serve.distill.recorder import RecordConfig, Recorder
 
-            from .distiller import connect, start_heartbeat
+            from .distiller import connect, pair_of, start_heartbeat
 
             recorder = Recorder(RecordConfig(keep=self.cfg.distill.keep, topk=self.cfg.distill.record_topk), max_traces=1024)
             self.buffer, controller = connect(self.cfg)
+            self.pair = pair_of(self.cfg)
             start_heartbeat(controller, tag, lambda: (len(self.live), self.cfg.max_batch_size))
         self.core = TargetVerifier(target, vocab, recorder=recorder)
         w = self.cfg.wandb
@@ -230,7 +231,7 @@ class Verifier(_Batched):
         _remember_release(self.released, seq_id)
         await self._run(self.core.release, seq_id)
         if prompt_ids is not None:
-            send_record(self.buffer, await self._run(self.core.finish, seq_id, prompt_ids, output_ids))
+            send_record(self.buffer, await self._run(self.core.finish, seq_id, prompt_ids, output_ids), self.pair)
 
     def _forget_idle(self, now: float) -> None:
         # A sequence is verified every step, so one idle for minutes lost its release (its Router
@@ -339,8 +340,9 @@ class DisaggBackend:
                                     req.finish_reason, record)
             # In a fresh context, so the calls are not children of this request: when a client goes away,
             # Ray Serve cancels the request's child calls still pending assignment (Replica._on_request_cancelled),
-            # and a lost release would leave the sequence live on the Verifier.
-            task = asyncio.get_running_loop().create_task(release, context=contextvars.Context())
+            # and a lost release would leave the sequence live on the Verifier. (create_task copies the context
+            # it is called in; its context= keyword is Python 3.11's, and pyproject allows 3.10.)
+            task = contextvars.Context().run(asyncio.get_running_loop().create_task, release)
             self._releasing.add(task)  # the loop keeps only weak references to tasks
             task.add_done_callback(self._releasing.discard)
 

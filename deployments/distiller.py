@@ -26,6 +26,7 @@ from pathlib import Path
 
 import ray
 
+from osd_serve.distill.guard import retire_guard_samples
 from osd_serve.distill.replay import BufferConfig, ReplayBuffer
 
 logger = logging.getLogger("ray.serve")
@@ -45,14 +46,26 @@ class RecordRef:
 
 @ray.remote(num_cpus=0)
 class ReplayBufferActor:
-    def __init__(self, cfg: dict):
+    """pair: [target, draft] of the application's config. Records hold the pair's token ids and target
+    distributions, which would train another pair's draft to fit a model it does not serve with."""
+
+    def __init__(self, cfg: dict, pair: list[str] | None = None):
         self.buffer = ReplayBuffer(BufferConfig(**cfg))
+        self.pair = pair
 
-    def configure(self, cfg: dict) -> None:
-        """The actor is detached and outlives the app: a redeploy brings its config here."""
-        self.buffer.reconfigure(BufferConfig(**cfg))
+    def configure(self, cfg: dict, pair: list[str] | None = None) -> None:
+        """The actor is detached and outlives the app: a redeploy brings its config here, and a
+        redeploy onto another pair empties the buffer."""
+        if pair is not None and self.pair is not None and list(pair) != list(self.pair):
+            logger.warning("replay buffer: the pair changed from %s to %s; its records are dropped", self.pair, pair)
+            self.buffer = ReplayBuffer(BufferConfig(**cfg))
+        else:
+            self.buffer.reconfigure(BufferConfig(**cfg))
+        self.pair = pair if pair is not None else self.pair
 
-    def add(self, expert: str, record, nbytes: int) -> bool:
+    def add(self, expert: str, record, nbytes: int, pair: list[str] | None = None) -> bool:
+        if pair is not None and self.pair is not None and list(pair) != list(self.pair):
+            return False  # from a replica of the pair before a redeploy, serving until the new ones are up
         # Put here, not by the sender: the object's owner is the process that put it, and the
         # buffer must own its records, or a replica that goes away would take its records along.
         return self.buffer.add(RecordRef([ray.put(record)], nbytes, expert, getattr(record, "heldout", False)))
@@ -66,6 +79,11 @@ class ReplayBufferActor:
         shard = self.buffer.shard(expert)
         shard.mark_updated()
         return [r.ref[0] for r in shard.records], [r.heldout for r in shard.records]
+
+    def retire(self, expert: str, refs: list) -> None:
+        """refs: guard samples an update trained on and published (guard.retire_guard_samples)."""
+        trained = set(refs)
+        retire_guard_samples([r for r in self.buffer.shard(expert).records if r.ref[0] in trained])
 
     def stats(self) -> dict:
         return {e: {"records": len(s.records), "bytes": s.nbytes, "seen": s.seen} for e, s in self.buffer.shards.items()}
@@ -169,9 +187,9 @@ class DistillController:
     MAX_EVENTS = 1000
 
     def __init__(self, draft_path: str, versions_dir: str, train_cfg: dict, steps: int, max_workers: int = 4,
-                 heldout: int = 16, poll_s: float = 1.0, keep_versions: int = 5):
+                 heldout: int = 16, poll_s: float = 1.0, keep_versions: int = 5, buffer_name: str = BUFFER_NAME):
         self.configure(draft_path, versions_dir, train_cfg, steps, max_workers, heldout, keep_versions)
-        self.buffer = ray.get_actor(BUFFER_NAME, namespace=NAMESPACE)
+        self.buffer = ray.get_actor(buffer_name, namespace=NAMESPACE)
         self.load: dict[str, tuple[float, float, float]] = {}  # replica -> (ongoing, capacity, time), from heartbeats
         self.events: collections.deque[dict] = collections.deque(maxlen=self.MAX_EVENTS)
         self.state = "idle"
@@ -255,32 +273,60 @@ class DistillController:
             version = store.publish(state, {"trigger": why, "plan": plan, "candidate": verdict.candidate,
                                             "serving": verdict.serving}, expect_current=base)
             reason = reason if version is not None else f"version {base} is no longer current (rolled back or replaced)"
+            if version is not None:  # refs in a list: Ray passes them through unresolved
+                ray.get(self.buffer.retire.remote(expert, [refs[i] for i in split[0] if flags[i]]))
         return {"expert": expert, "trigger": why, "plan": plan, "published": version is not None, "reason": reason,
                 "version": version, "candidate": verdict.candidate, "serving": verdict.serving, "time": t0,
                 "steps": metrics.get("steps"), "loss_first": metrics.get("loss_first"), "loss_last": metrics.get("loss_last"),
                 "seconds": time.time() - t0}
 
 
-def connect(cfg) -> tuple:
-    """The cluster's buffer actor and controller (created by whichever replica comes first, then
-    found by name, and given this config: they are detached, so they outlive a redeploy that
-    changes it); cfg: deployments.config.AppConfig with distill.backend ray_train."""
-    from osd_serve.service import model_paths
+def actor_names(app: str) -> tuple[str, str]:
+    """The buffer's and the controller's names for one Serve application. Each application distils
+    its own pair: on names shared by the cluster, a second app's replicas reconfigured the first's
+    controller (its draft and versions_dir), and both apps' records of an expert trained one draft."""
+    return f"{BUFFER_NAME}.{app}", f"{CONTROLLER_NAME}.{app}"
 
+
+def _app_name() -> str:
+    from ray.serve import get_replica_context
+    from ray.serve.exceptions import RayServeException
+
+    try:
+        return get_replica_context().app_name
+    except RayServeException:  # not in a replica (a script, a test): the default application's
+        return "default"
+
+
+def connect(cfg, app: str | None = None) -> tuple:
+    """The application's buffer actor and controller (created by whichever of its replicas comes
+    first, then found by name, and given this config: they are detached, so they outlive a redeploy
+    that changes it); cfg: deployments.config.AppConfig with distill.backend ray_train; app: the Serve
+    application (default: the calling replica's)."""
     d = cfg.distill
+    buffer_name, controller_name = actor_names(app or _app_name())
     opts = {"namespace": NAMESPACE, "get_if_exists": True, "lifetime": "detached"}
     buffer_cfg = {"max_bytes": d.buffer_mb << 20, "trigger_records": d.trigger_records, "trigger_age_s": d.trigger_age_s}
-    buffer = ReplayBufferActor.options(name=BUFFER_NAME, **opts).remote(buffer_cfg)
+    pair = pair_of(cfg)
+    buffer = ReplayBufferActor.options(name=buffer_name, **opts).remote(buffer_cfg, pair)
     train = {"mode": d.mode, "lr": d.lr, "steps_per_update": d.steps_per_update}
-    args = (model_paths(cfg)[1], d.versions_dir, train, d.steps_per_update, d.max_train_workers)
-    controller = DistillController.options(name=CONTROLLER_NAME, **opts).remote(*args, keep_versions=d.keep_versions)
-    ray.get([buffer.configure.remote(buffer_cfg), controller.configure.remote(*args, keep_versions=d.keep_versions)])
+    args = (pair[1], d.versions_dir, train, d.steps_per_update, d.max_train_workers)
+    controller = DistillController.options(name=controller_name, **opts).remote(*args, keep_versions=d.keep_versions,
+                                                                                buffer_name=buffer_name)
+    ray.get([buffer.configure.remote(buffer_cfg, pair), controller.configure.remote(*args, keep_versions=d.keep_versions)])
     return buffer, controller
 
 
-def send_record(buffer, record) -> None:
+def pair_of(cfg) -> list[str]:
+    """[target, draft] of an AppConfig, as the buffer tells one pair's records from another's."""
+    from osd_serve.service import model_paths
+
+    return list(model_paths(cfg))
+
+
+def send_record(buffer, record, pair: list[str] | None = None) -> None:
     if record is not None:
-        buffer.add.remote(record.expert, record, record.nbytes)  # fire and forget: serving never waits on it
+        buffer.add.remote(record.expert, record, record.nbytes, pair)  # fire and forget: serving never waits on it
 
 
 def start_heartbeat(controller, tag: str, load, every_s: float = 2.0) -> None:

@@ -216,13 +216,15 @@ def test_only_enabled_ray_train_distillation_connects_to_the_cluster(monkeypatch
     cluster's buffer and the replica's load to the controller."""
     calls = []
     monkeypatch.setattr(dist, "connect", lambda cfg: (calls.append("connect"), ("buffer", "controller"))[1])
-    monkeypatch.setattr(dist, "send_record", lambda buffer, record: calls.append(("send", buffer, record)))
+    monkeypatch.setattr(dist, "send_record", lambda buffer, record, pair: calls.append(("send", buffer, record, pair)))
+    monkeypatch.setattr(dist, "pair_of", lambda cfg: ["target", "draft"])
     monkeypatch.setattr(dist, "start_heartbeat", lambda controller, tag, load: calls.append(("beat", controller, tag, load)))
     off = _spec_server(monkeypatch, distill={"enabled": False, "backend": "ray_train"})
     assert calls == [] and off.service.sink is None
     on = _spec_server(monkeypatch, distill={"backend": "ray_train"})
     on.service.sink("rec")
-    assert calls == ["connect", ("beat", "controller", "local", on.service.load), ("send", "buffer", "rec")]
+    # each record tagged with the replica's pair: after a redeploy onto another, the buffer drops the old one's
+    assert calls == ["connect", ("beat", "controller", "local", on.service.load), ("send", "buffer", "rec", ["target", "draft"])]
 
 
 def test_a_replica_refuses_an_unknown_expert_and_sends_value_errors_as_data(monkeypatch):

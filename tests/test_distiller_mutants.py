@@ -50,8 +50,12 @@ def _polls(n):
     return SimpleNamespace(is_set=lambda: next(left, True), wait=lambda s: None)
 
 
+class _Rec(SimpleNamespace):
+    __hash__, __eq__ = object.__hash__, object.__eq__  # put is the identity here: the record is its own ref
+
+
 def _rec(expert="default", heldout=False):
-    return SimpleNamespace(expert=expert, nbytes=100, heldout=heldout)
+    return _Rec(expert=expert, nbytes=100, heldout=heldout)
 
 
 @pytest.fixture
@@ -64,6 +68,25 @@ def plain_ray(monkeypatch):
     monkeypatch.setattr(dist, "threading", SimpleNamespace(Event=threading.Event,
                                                            Thread=lambda **kw: SimpleNamespace(start=lambda: None)))
     return buffer
+
+
+def test_a_redeploy_onto_another_pair_empties_the_buffer_and_refuses_the_old_pairs_records(monkeypatch):
+    """Records hold a pair's token ids and target distributions: kept across a redeploy that changed
+    the pair, they trained the new draft to fit the old target, and the old pair's replicas, serving
+    until the new ones are up, went on adding more."""
+    monkeypatch.setattr(dist, "ray", SimpleNamespace(put=lambda x: x))
+    cfg = {"max_bytes": 1 << 20, "trigger_records": 4, "trigger_age_s": 60.0}
+    old, new = ["t1", "d1"], ["t2", "d1"]
+    buffer = _cls(dist.ReplayBufferActor)(cfg, old)
+    for _ in range(3):
+        assert buffer.add("default", _rec(), 100, old)
+    buffer.configure(cfg, old)  # the same pair: a redeploy keeps its records
+    assert buffer.stats()["default"]["records"] == 3
+    buffer.configure({**cfg, "trigger_records": 2}, new)
+    assert buffer.stats() == {} and buffer.buffer.cfg.trigger_records == 2
+    assert not buffer.add("default", _rec(), 100, old)  # an old replica still serving
+    assert buffer.add("default", _rec(), 100, new) and buffer.add("default", _rec(), 100)
+    assert buffer.stats()["default"]["records"] == 2
 
 
 def test_the_buffer_actor_hands_over_guard_flags_and_restarts_the_trigger(plain_ray):
@@ -136,6 +159,8 @@ def test_a_job_trains_on_what_the_guard_does_not_hold_out_and_publishes(plain_ra
     assert (event["published"], event["version"], event["reason"], event["trigger"]) == (True, 1, "guard's reason", "size")
     store = VersionStore(tmp_path / "versions" / "default")
     assert store.refresh() == 1 and store.versions == [0, 1] and store.meta(0)["reason"] == "initial draft"
+    # the 2 older guard samples were trained into version 1: later jobs never hold them out
+    assert [r.heldout for r in plain_ray.buffer.shard("default").records] == [False] * 10 + [True] * 2
 
 
 def test_a_refused_candidate_or_a_rollback_meanwhile_publishes_nothing(plain_ray, monkeypatch, tmp_path, draft_dir):
@@ -147,6 +172,7 @@ def test_a_refused_candidate_or_a_rollback_meanwhile_publishes_nothing(plain_ray
     event = ctrl._update("default", "size", {"num_workers": 1, "use_gpu": False})
     assert (event["published"], event["version"], event["reason"]) == (False, None, "guard's reason")
     assert VersionStore(root).versions == [0]
+    assert [r.heldout for r in plain_ray.buffer.shard("default").records] == [False] * 6 + [True] * 2
 
     # another publisher (an admin rollback, a second controller) moves the store while the job trains
     other = lambda: VersionStore(root).publish(VersionStore(root).load(0), {"reason": "elsewhere"})  # noqa: E731
@@ -156,6 +182,7 @@ def test_a_refused_candidate_or_a_rollback_meanwhile_publishes_nothing(plain_ray
     assert event["reason"] == "version 0 is no longer current (rolled back or replaced)"
     store = VersionStore(root)
     assert store.refresh() == 1 and store.meta(1)["reason"] == "elsewhere" and store.versions == [0, 1]
+    assert [r.heldout for r in plain_ray.buffer.shard("default").records] == [False] * 6 + [True] * 2
 
 
 def test_the_controller_keeps_the_configured_number_of_versions(plain_ray, monkeypatch, tmp_path, draft_dir):
@@ -209,13 +236,20 @@ def test_connect_gives_the_actors_the_config(monkeypatch):
     cfg = parse_config({"target": "org/target", "draft": "org/draft", "distill": {
         "backend": "ray_train", "buffer_mb": 3, "trigger_records": 5, "trigger_age_s": 7.5, "keep_versions": 2,
         "max_train_workers": 6, "steps_per_update": 9, "lr": 0.01, "mode": "full", "versions_dir": "/vs"}})
-    dist.connect(cfg)
+    dist.connect(cfg, app="llama")
     buffer_cfg = {"max_bytes": 3 * 1024 * 1024, "trigger_records": 5, "trigger_age_s": 7.5}
     args = ("org/draft", "/vs", {"mode": "full", "lr": 0.01, "steps_per_update": 9}, 9, 6)
     opts = {"namespace": dist.NAMESPACE, "get_if_exists": True, "lifetime": "detached"}
-    assert made == [("buffer", {"name": dist.BUFFER_NAME, **opts}, (buffer_cfg,), {}),
-                    ("controller", {"name": dist.CONTROLLER_NAME, **opts}, args, {"keep_versions": 2})]
-    assert configured == [("buffer", (buffer_cfg,), {}), ("controller", args, {"keep_versions": 2})]
+    names = dist.actor_names("llama")
+    pair = ["org/target", "org/draft"]
+    assert made == [("buffer", {"name": names[0], **opts}, (buffer_cfg, pair), {}),
+                    ("controller", {"name": names[1], **opts}, args, {"keep_versions": 2, "buffer_name": names[0]})]
+    assert configured == [("buffer", (buffer_cfg, pair), {}), ("controller", args, {"keep_versions": 2})]
+    # Each Serve application its own pair of actors; a caller outside any replica gets the default app's
+    assert len({*names, *dist.actor_names("qwen")}) == 4
+    made.clear()
+    dist.connect(cfg)
+    assert [m[1]["name"] for m in made] == list(dist.actor_names("default"))
 
 
 def test_records_and_heartbeats_reach_the_actors(monkeypatch):
@@ -223,8 +257,8 @@ def test_records_and_heartbeats_reach_the_actors(monkeypatch):
     once is followed by the next one (the thread lives on)."""
     sent = []
     dist.send_record(_actor(SimpleNamespace(add=lambda *a: sent.append(a))), None)
-    dist.send_record(_actor(SimpleNamespace(add=lambda *a: sent.append(a))), SimpleNamespace(expert="sql", nbytes=7))
-    assert [(e, n) for e, _, n in sent] == [("sql", 7)]
+    dist.send_record(_actor(SimpleNamespace(add=lambda *a: sent.append(a))), SimpleNamespace(expert="sql", nbytes=7), ["t", "d"])
+    assert [(e, n, pair) for e, _, n, pair in sent] == [("sql", 7, ["t", "d"])]
 
     beats, calls, done = [], [], threading.Event()
 

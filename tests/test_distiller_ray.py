@@ -141,9 +141,9 @@ def test_a_redeploy_reconfigures_the_detached_actors(cluster, gpus_busy, data, t
     """The buffer and controller are detached and found by name: a redeploy with a changed config
     must reach them (they kept the first deploy's bounds and triggers)."""
     from deployments.config import AppConfig
-    from deployments.distiller import CONTROLLER_NAME, connect
+    from deployments.distiller import actor_names, connect
 
-    for name in (BUFFER_NAME, CONTROLLER_NAME):  # whatever an earlier test left under these names
+    for name in actor_names("default"):  # whatever an earlier test left under these names
         try:
             ray.kill(ray.get_actor(name, namespace=NAMESPACE))
         except ValueError:
