@@ -257,6 +257,11 @@ class Verifier(_Batched):
             out[e]["running"] += 1
         return out
 
+    def __del__(self):  # Ray Serve's shutdown hook for a replica, as SpecServer's: the W&B run gets its last row
+        telemetry = getattr(self, "telemetry", None)
+        if telemetry is not None:
+            telemetry.close()
+
 
 class DisaggBackend:
     """The api.py backend interface, driving requests across DraftPool and Verifier."""

@@ -77,10 +77,19 @@ class SpecService:
         w = cfg.wandb
         self.telemetry = Telemetry(w.mode, w.project, w.dir, w.log_every_s, config=cfg.without_keys(),
                                    name=f"osd-serve-{replica_tag}")
-        self.server = AsyncSpecServer(self.target, self.tokenizer, drafts, econf, on_step=self.telemetry.on_step)
+        self.server: AsyncSpecServer | None = None
         self.distillers: dict[str, OnlineDistiller] = {}
-        d = cfg.distill
         self.watcher: VersionWatcher | None = None
+        try:
+            self._start(drafts, econf, record_sink, private_versions)
+        except BaseException:  # a bad adapter, a store of another draft's shapes: the replica fails, and what
+            self.close()  # started is stopped (the W&B run and its timer, engine and distiller threads, the slot)
+            raise
+
+    def _start(self, drafts: dict, econf: EngineConfig, record_sink, private_versions: bool) -> None:
+        cfg, replica_tag = self.cfg, self.replica_tag
+        self.server = AsyncSpecServer(self.target, self.tokenizer, drafts, econf, on_step=self.telemetry.on_step)
+        d = cfg.distill
         if d.enabled and record_sink is not None:
             self._watch_versions(Path(os.path.expanduser(d.versions_dir)), record_sink, RecordConfig(keep=d.keep, topk=d.record_topk))
         elif d.enabled:
@@ -193,7 +202,8 @@ class SpecService:
             self.watcher.close()
         for d in self.distillers.values():
             d.stop()
-        self.server.close()
+        if self.server is not None:
+            self.server.close()
         self.telemetry.close()
         if self._slot is not None:  # the versions stay for the replica that takes the slot next
             self._slot.close()

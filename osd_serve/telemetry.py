@@ -125,8 +125,13 @@ class Telemetry:
         # timer writes each window on time (at most once a second); without one the rows feed only
         # /admin/metrics, which writes the window when it is read.
         self._stop = threading.Event()
+        # One writer at a time, so rows reach W&B in the order they were built (the timer's and a forced
+        # one's could interleave). The engine thread never waits on it while a run is open: the timer writes.
+        self._write = threading.Lock()
+        self._timer: threading.Thread | None = None
         if self.run is not None:
-            threading.Thread(target=self._tick, name="osd-telemetry", daemon=True).start()
+            self._timer = threading.Thread(target=self._tick, name="osd-telemetry", daemon=True)
+            self._timer.start()
 
     def _tick(self) -> None:
         while not self._stop.wait(max(self.log_every_s, 1.0)):
@@ -151,7 +156,8 @@ class Telemetry:
             for j, (a, p) in enumerate(zip(st.accepted_per_position, st.proposed_per_position)):
                 self._pos[expert][j][0] += a
                 self._pos[expert][j][1] += p
-        self.maybe_log()
+        if self.run is None:  # with a run the timer writes: a slow W&B service must not stall the engine's steps
+            self.maybe_log()
 
     def on_request(self, expert: str, latency_s: float, finish_reason: str | None) -> None:
         """A request's end. Latency counts only those that ran to their end (stop or length), in both
@@ -172,6 +178,10 @@ class Telemetry:
             self.prom.version.set(fields["version"], tags={"expert": expert})
 
     def maybe_log(self, force: bool = False) -> dict | None:
+        with self._write:
+            return self._log(force)
+
+    def _log(self, force: bool) -> dict | None:
         now = time.monotonic()
         with self._lock:
             if not force and now - self._last < self.log_every_s:
@@ -226,6 +236,8 @@ class Telemetry:
 
     def close(self) -> None:
         self._stop.set()
+        if self._timer is not None and self._timer is not threading.current_thread():
+            self._timer.join(timeout=30)  # a row it is writing goes before the last one, and before finish()
         self.maybe_log(force=True)
         run, self.run = self.run, None
         if run is not None:

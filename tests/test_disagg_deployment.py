@@ -383,3 +383,18 @@ def test_chat_without_a_limit_runs_to_the_end_of_the_context_disaggregated(tok):
             break
         time.sleep(0.01)
     assert verifier.ends == [("default", "length", [])]
+
+
+def test_a_verifier_replica_finishes_its_wandb_run_when_serve_stops_it():
+    """Ray Serve calls a replica's __del__ at shutdown. SpecServer closed its telemetry there and the
+    Verifier did not, so its last window never reached W&B and the run was left unfinished."""
+    from types import SimpleNamespace
+
+    from deployments.disagg import Verifier
+
+    cls = Verifier.func_or_class
+    replica, closed = object.__new__(cls), []
+    replica.telemetry = SimpleNamespace(close=lambda: closed.append(True))
+    cls.__del__(replica)
+    assert closed == [True]
+    cls.__del__(object.__new__(cls))  # a replica whose __init__ failed before its telemetry: nothing to close

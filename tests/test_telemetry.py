@@ -104,6 +104,27 @@ def test_latency_percentiles_are_nearest_rank():
     assert telemetry._percentile([7.0], 0.99) == 7.0 and telemetry._percentile([], 0.5) is None
 
 
+def test_the_last_row_is_written_before_the_run_finishes(tmp_path):
+    """close() did not wait for the timer: a row it was writing could reach W&B after finish(), which
+    refuses it, and the window was lost."""
+    t = Telemetry("offline", directory=str(tmp_path), log_every_s=1.0)
+    order, real_log, real_finish = [], t.run.log, t.run.finish
+    delays = [0.8]  # the first write (the timer's) is slow: it is mid-write when close() comes
+
+    def slow_log(row, *a, **k):
+        time.sleep(delays.pop() if delays else 0.0)
+        order.append("log")
+        return real_log(row, *a, **k)
+
+    t.run.log = slow_log
+    t.run.finish = lambda *a, **k: (order.append("finish"), real_finish(*a, **k))[1]
+    t.on_event("default", version=1)
+    time.sleep(1.2)  # the timer's first window has begun writing
+    t.close()
+    time.sleep(1.0)  # a write still under way would land now
+    assert order[-1] == "finish" and order.count("finish") == 1 and "log" in order, order
+
+
 def test_events_reach_wandb_without_traffic(tmp_path):
     """Rows were written only when the engine stepped: with no traffic, a version the distiller
     published waited for the next request. A W&B run now gets each window on time."""
@@ -124,7 +145,9 @@ def test_events_reach_wandb_without_traffic(tmp_path):
 def test_a_dead_wandb_service_does_not_fail_steps_or_shutdown():
     """With wandb's service process gone (OOM-killed), run.log raised ConnectionResetError out of
     on_step: the disaggregated Verifier calls it inside its verify batch, which failed every request in
-    it; /admin/metrics and close() raised too. W&B now goes off and the rows still reach the history."""
+    it; /admin/metrics and close() raised too. W&B now goes off and the rows still reach the history.
+    While a run is open the engine's steps never write to it (the timer does): a stalled W&B service
+    stalled every step."""
 
     class DeadRun:
         def __init__(self):
@@ -143,9 +166,11 @@ def test_a_dead_wandb_service_does_not_fail_steps_or_shutdown():
 
     t = Telemetry("disabled", log_every_s=0.0)
     t.run = dead = DeadRun()
-    t.on_step("default", Step())  # raised ConnectionResetError
-    assert dead.calls == 1 and t.run is None and t.recent()[-1]["alpha/default"] == 2 / 3
     t.on_step("default", Step())
+    assert dead.calls == 0 and t.recent() == []  # the step wrote nothing: the timer (or a forced log) does
+    t.maybe_log()  # the timer's write raised ConnectionResetError
+    assert dead.calls == 1 and t.run is None and t.recent()[-1]["alpha/default"] == 2 / 3
+    t.on_step("default", Step())  # W&B off: the step writes its row to the history
     assert dead.calls == 1 and len(t.recent()) == 2  # no further calls into the dead service
     t.run = DeadRun()
     t.close()  # run.finish() raised out of the replica's shutdown
