@@ -239,7 +239,7 @@ class DistillController:
 
     def _update(self, expert: str, why: str, plan: dict) -> dict:
         from osd_serve.distill.guard import GuardConfig, check, split_for_guard
-        from osd_serve.distill.versions import VersionStore
+        from osd_serve.distill.versions import VersionStore, draft_fingerprint
         from transformers import AutoModelForCausalLM
 
         t0 = time.time()
@@ -257,7 +257,13 @@ class DistillController:
         plan = {**plan, "num_workers": min(plan["num_workers"], len(train_refs))}
         serving = AutoModelForCausalLM.from_pretrained(draft_path)
         if store.refresh() is None:
-            store.publish({n: t.clone() for n, t in serving.state_dict().items()}, {"reason": "initial draft"})
+            # Normally a replica published version 0 when it loaded the expert. Before one has (an expert whose
+            # traffic never drafted), this is the base draft, marked as such: an expert with a LoRA adapter
+            # serves base + adapter, so its replica clears these versions instead of serving the base's.
+            # Only if still empty: a replica publishing meanwhile wins.
+            initial = {n: t.clone() for n, t in serving.state_dict().items()}
+            store.publish(initial, {"reason": "initial draft"}, expect_current=None, draft=draft_fingerprint(initial))
+            store.refresh()
         base = store.current  # the version this job trains from
         serving.load_state_dict(store.load(base), strict=False)
         state_path = str(store.path(base) / "draft.safetensors")

@@ -163,6 +163,34 @@ def test_a_job_trains_on_what_the_guard_does_not_hold_out_and_publishes(plain_ra
     assert [r.heldout for r in plain_ray.buffer.shard("default").records] == [False] * 10 + [True] * 2
 
 
+def test_an_initial_version_the_controller_made_is_not_served_for_an_expert_with_an_adapter(plain_ray, monkeypatch,
+                                                                                           tmp_path, draft_dir):
+    """Before any replica has loaded an expert (its traffic never drafted), the controller's version 0 is
+    the base draft. Unmarked, a replica that then loaded the expert took the store as its own and served
+    the base draft's weights where its config merges a LoRA adapter. Marked with the base's fingerprint,
+    the replica clears it and serves (and publishes) its own."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from osd_serve.distill.versions import VersionStore, VersionWatcher, draft_fingerprint
+
+    ctrl, _, _ = _controller(plain_ray, monkeypatch, tmp_path, draft_dir)
+    _fill(plain_ray, 8, heldout=2)
+    ctrl._update("default", "size", {"num_workers": 1, "use_gpu": False})
+    root = tmp_path / "versions"
+    base = load_file(next(Path(draft_dir).glob("*.safetensors")))
+    assert VersionStore(root / "default").manifest["draft"] == draft_fingerprint(base)
+    merged = {n: t + 0.5 for n, t in base.items()}  # base + a LoRA adapter, merged, as the replica serves it
+    watcher = VersionWatcher(root, apply=lambda *a: None)
+    try:
+        assert watcher.watch("default", lambda: merged) == (0, None)  # its own draft, not the controller's
+    finally:
+        watcher.close()
+    store = VersionStore(root / "default")
+    assert store.versions == [0] and store.manifest["draft"] == draft_fingerprint(merged)
+
+
 def test_a_refused_candidate_or_a_rollback_meanwhile_publishes_nothing(plain_ray, monkeypatch, tmp_path, draft_dir):
     from osd_serve.distill.versions import VersionStore
 
