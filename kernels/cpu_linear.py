@@ -136,16 +136,25 @@ def _min_rows(w: torch.Tensor) -> int:
     return MIN_ROWS_LARGE if w.numel() * w.element_size() >= LARGE_WEIGHT_BYTES else MIN_ROWS
 
 
+def _weight_key(w: torch.Tensor, version: int) -> tuple:
+    """What tells a packed copy's weight from any other while the copy holds it (PackedLinear._pack)."""
+    return version, w.data_ptr(), w.dtype, tuple(w.shape)
+
+
 class PackedLinear(nn.Linear):
     """An ``nn.Linear`` (same parameters, same state dict) that routes float32 inference calls of up to
     ``SKINNY_MAX_ROWS`` rows to kernels/cpu_skinny.cpp where it runs, and other calls with enough rows
     to oneDNN on a prepacked copy of its weight."""
 
     def _pack(self) -> None:
-        w = self.weight.detach()
+        w = self.weight.detach()  # shares the weight's storage and version counter
+        version = w._version  # before the reorder reads it: a write meanwhile leaves the copy marked stale
         # the batch-size hint only picks oneDNN's weight layout; any row count works with it
         self._packed = torch.ops.mkldnn._reorder_linear_weight(w, MIN_ROWS)
-        self._packed_of = (w._version, w.data_ptr(), w.dtype)
+        # Held, so its memory is never handed to another tensor: a weight replaced twice between calls
+        # could otherwise land at the packed one's address with the same version, and match its key.
+        self._packed_src = w
+        self._packed_of = _weight_key(w, version)
         self._min_rows = _min_rows(w)  # fixed by the weight's dtype and size, both part of _packed_of
         use = _skinny_fits(w) and getattr(self, "_use_skinny", True)
         self._skinny = skinny_kernel() if use else None
@@ -153,7 +162,7 @@ class PackedLinear(nn.Linear):
     def __getstate__(self) -> dict:
         # oneDNN's packed tensor has no storage to copy or pickle, nor has the compiled kernel's handle:
         # deepcopy and pickle (Ray) carry the module without them, and its first inference call repacks
-        return self.__dict__ | {"_packed": None, "_packed_of": None, "_skinny": None}
+        return self.__dict__ | {"_packed": None, "_packed_of": None, "_packed_src": None, "_skinny": None}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // max(1, x.shape[-1])
@@ -165,7 +174,7 @@ class PackedLinear(nn.Linear):
                 or torch.is_autocast_enabled("cpu")):
             return F.linear(x, w, self.bias)
         skinny = rows <= SKINNY_MAX_ROWS and _skinny_fits(w)
-        if self._packed_of != (w._version, w.data_ptr(), w.dtype):  # weights were loaded or moved since
+        if self._packed_of != _weight_key(w, w._version):  # weights were loaded, moved or replaced since
             if not skinny and rows < _min_rows(w):  # no faster path: nothing to (re)pack for
                 return F.linear(x, w, self.bias)
             self._pack()
@@ -173,7 +182,7 @@ class PackedLinear(nn.Linear):
             y = self._skinny(x.reshape(rows, x.shape[-1]).contiguous(), w)  # [rows, out]
             if self.bias is not None:
                 y += self.bias
-            return y.view(*x.shape[:-1], self.out_features)
+            return y.view(*x.shape[:-1], w.shape[0])  # a replaced weight's own size, as F.linear gives
         if rows < self._min_rows:  # not on the kernel, and too few rows for oneDNN to beat F.linear
             return F.linear(x, w, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")

@@ -183,6 +183,27 @@ def test_repacks_when_weights_change():
         torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
 
 
+def test_a_weight_replaced_at_the_packed_ones_address_is_repacked():
+    """The key (version, address) names a weight only while its memory is held: replaced more than once
+    between calls (load_state_dict(assign=True), .to() and back), a new version-0 weight could get the
+    packed one's freed address, and oneDNN multiplied by the old weights (errors of 43 on outputs of ~40).
+    A weight of another size is multiplied as F.linear would."""
+    torch.manual_seed(0)
+    lin = _packed(96, 64, torch.float32, bias=True)
+    x = torch.randn(72, 64)  # oneDNN's packed path
+    with torch.inference_mode():
+        lin(x)
+    for i in range(8):
+        lin.weight = nn.Parameter(torch.randn(96, 64))
+        if i % 2:
+            with torch.inference_mode():
+                torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
+    lin.weight, lin.bias = nn.Parameter(torch.randn(100, 64)), None
+    with torch.inference_mode():
+        for rows in (3, 72):  # the skinny kernel's size, and oneDNN's
+            torch.testing.assert_close(lin(x[:rows]), F.linear(x[:rows], lin.weight))
+
+
 def test_deepcopy_and_pickle_repack():
     import pickle
 
