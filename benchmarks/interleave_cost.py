@@ -50,7 +50,7 @@ def main() -> None:
     t = {name: [] for name in ("draft_alone", "verify_alone", "draft_first_in_step", "draft_rest_in_step", "verify_in_step")}
     for r in range(args.rounds + 2):
         keep = r >= 2  # two warm-up rounds
-        alone_d = [fwd(dkv, 1) for _ in range(k)]
+        alone_d = [fwd(dkv, 1) for _ in range(k + 1)][1:]  # the first follows the last round's verification
         alone_v = [fwd(tkv, k + 1) for _ in range(3)][1:]  # the first follows draft forwards
         fwd(tkv, k + 1)  # a step: the verification, then the next step's k draft forwards, then its verification
         step_d = [fwd(dkv, 1) for _ in range(k)]

@@ -70,7 +70,8 @@ def first_divergence_gap(model, prompt: list[int], ref: list[int], got: list[int
 def mismatches(model, prompts: list[list[int]], outs: list[list[int]], refs: list[list[int]]) -> dict:
     """Outputs that differ from the reference; of those, the ones that split from it at a near-tie, and
     the largest gap at a split (a split at a large gap would be a lossless bug); ``length_only``: ones
-    that agree wherever both have tokens but stop elsewhere (an EOS near-tie decides it the same way)."""
+    that agree wherever both have tokens but stop elsewhere (both keep EOS, so an EOS near-tie is a split:
+    this is a row ended by an error, or a max_tokens cut)."""
     tie = NEAR_TIE.get(model.dtype, 1e-4)
     gaps, length_only = [], 0
     for p, o, r in zip(prompts, outs, refs):

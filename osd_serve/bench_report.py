@@ -18,11 +18,17 @@ def _f(x: float | None) -> str:
 
 
 def _outputs(match: int, n: int, mismatch: dict | None) -> str:
-    """"16/16", or "60/64 (4 near-ties, gap ≤ 0.06)" where outputs differ."""
+    """"16/16", or "60/64 (4 near-ties, gap ≤ 0.06)" where outputs differ; a split at a larger gap is
+    named as what it is (it read "15/16 (0 near-ties, gap ≤ 4.2)")."""
     if not mismatch or not mismatch["differ"]:
         return f"{match}/{n}"
-    ties = mismatch["near_ties"]
-    parts = [f"{ties} near-tie{'s' * (ties != 1)}, gap ≤ {mismatch['max_gap']:.2g}"] if mismatch["max_gap"] is not None else []
+    ties, splits = mismatch["near_ties"], mismatch["differ"] - mismatch.get("length_only", 0)
+    parts = []
+    if splits > ties:
+        parts.append(f"**{splits - ties} split{'s' * (splits - ties != 1)} not at a near-tie, gap up to "
+                     f"{mismatch['max_gap']:.2g}: not lossless**")
+    if ties:
+        parts.append(f"{ties} near-tie{'s' * (ties != 1)}" + ("" if splits > ties else f", gap ≤ {mismatch['max_gap']:.2g}"))
     parts += [f"{mismatch['length_only']} length only"] if mismatch.get("length_only") else []
     return f"{match}/{n} ({'; '.join(parts)})"
 

@@ -143,3 +143,14 @@ def test_full_batch_auto_is_compared_with_the_fastest_fixed_k(report):
     full = {(r["name"], r["k"]): r["full_batch_tok_s"] for r in report["results"] if r["name"].startswith("engine")}
     assert full[("engine", 1)] == pytest.approx(8.0) and full[("engine", 2)] == pytest.approx(16 / 2.8)
     assert full_batch_over_best_k(report, 2) == pytest.approx((16 / 2.8) / 8.0)
+
+
+def test_the_outputs_column_names_a_split_that_is_not_a_near_tie():
+    """A split at a gap of 4.2 (a lossless failure) read "15/16 (0 near-ties, gap ≤ 4.2)"."""
+    from osd_serve.bench_report import _outputs
+
+    assert _outputs(16, 16, None) == "16/16"
+    assert _outputs(14, 16, {"differ": 2, "near_ties": 2, "max_gap": 0.01, "length_only": 0}) == "14/16 (2 near-ties, gap ≤ 0.01)"
+    bad = _outputs(14, 16, {"differ": 2, "near_ties": 1, "max_gap": 4.2, "length_only": 0})
+    assert bad == "14/16 (**1 split not at a near-tie, gap up to 4.2: not lossless**; 1 near-tie)"
+    assert _outputs(15, 16, {"differ": 1, "near_ties": 0, "max_gap": None, "length_only": 1}) == "15/16 (1 length only)"
