@@ -187,7 +187,7 @@ class Verifier(_Batched):
         target, vocab, _ = _load(self.cfg, "target")
         recorder = None
         tag = serve.get_replica_context().replica_id.unique_id
-        if self.cfg.distill.enabled:  # backend ray_train (config.py): records go to the cluster's buffer
+        if self.cfg.distill.enabled:  # backend ray_train (config.py): records go to the application's buffer
             from osd_serve.distill.recorder import RecordConfig, Recorder
 
             from .distiller import connect, pair_of, start_heartbeat

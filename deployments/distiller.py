@@ -1,4 +1,4 @@
-"""Cluster-wide distillation: a replay buffer actor over Ray's object store, and a controller that
+"""Distillation across the cluster, one per Serve application: a replay buffer actor over Ray's object store, and a controller that
 runs Ray Train jobs on capacity serving leaves idle, guards them, and publishes draft versions.
 
     SpecServer replicas (colocated) or Verifier replicas (disaggregated)
@@ -264,7 +264,7 @@ class DistillController:
             initial = {n: t.clone() for n, t in serving.state_dict().items()}
             store.publish(initial, {"reason": "initial draft"}, expect_current=None, draft=draft_fingerprint(initial))
             store.refresh()
-        base = store.current  # the version this job trains from
+        base, base_draft = store.current, store.manifest.get("draft")  # the version this job trains from, of which draft
         serving.load_state_dict(store.load(base), strict=False)
         state_path = str(store.path(base) / "draft.safetensors")
         state, metrics = run_train_job(plan, train_refs, draft_path, state_path, cfg["train_cfg"], cfg["steps"],
@@ -277,7 +277,7 @@ class DistillController:
         version, reason = None, verdict.reason
         if verdict.publish:  # only over the version it was trained from: a rollback meanwhile wins
             version = store.publish(state, {"trigger": why, "plan": plan, "candidate": verdict.candidate,
-                                            "serving": verdict.serving}, expect_current=base)
+                                            "serving": verdict.serving}, expect_current=base, expect_draft=base_draft)
             reason = reason if version is not None else f"version {base} is no longer current (rolled back or replaced)"
             if version is not None:  # refs in a list: Ray passes them through unresolved
                 ray.get(self.buffer.retire.remote(expert, [refs[i] for i in split[0] if flags[i]]))
@@ -309,6 +309,8 @@ def connect(cfg, app: str | None = None) -> tuple:
     first, then found by name, and given this config: they are detached, so they outlive a redeploy
     that changes it); cfg: deployments.config.AppConfig with distill.backend ray_train; app: the Serve
     application (default: the calling replica's)."""
+    from osd_serve.service import model_paths
+
     d = cfg.distill
     buffer_name, controller_name = actor_names(app or _app_name())
     opts = {"namespace": NAMESPACE, "get_if_exists": True, "lifetime": "detached"}
@@ -316,7 +318,7 @@ def connect(cfg, app: str | None = None) -> tuple:
     pair = pair_of(cfg)
     buffer = ReplayBufferActor.options(name=buffer_name, **opts).remote(buffer_cfg, pair)
     train = {"mode": d.mode, "lr": d.lr, "steps_per_update": d.steps_per_update}
-    args = (pair[1], d.versions_dir, train, d.steps_per_update, d.max_train_workers)
+    args = (model_paths(cfg)[1], d.versions_dir, train, d.steps_per_update, d.max_train_workers)
     controller = DistillController.options(name=controller_name, **opts).remote(*args, keep_versions=d.keep_versions,
                                                                                 buffer_name=buffer_name)
     ray.get([buffer.configure.remote(buffer_cfg, pair), controller.configure.remote(*args, keep_versions=d.keep_versions)])
@@ -324,10 +326,10 @@ def connect(cfg, app: str | None = None) -> tuple:
 
 
 def pair_of(cfg) -> list[str]:
-    """[target, draft] of an AppConfig, as the buffer tells one pair's records from another's."""
-    from osd_serve.service import model_paths
-
-    return list(model_paths(cfg))
+    """[target, draft] of an AppConfig as configured, as the buffer tells one pair's records from another's.
+    Not the resolved paths: the embedded default pair's differ from node to node (each builds its own
+    under its HOME), and replicas of one pair would wipe each other's records."""
+    return [cfg.target or "embedded default", cfg.draft or "embedded default"]
 
 
 def send_record(buffer, record, pair: list[str] | None = None) -> None:

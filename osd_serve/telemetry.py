@@ -238,6 +238,9 @@ class Telemetry:
         self._stop.set()
         if self._timer is not None and self._timer is not threading.current_thread():
             self._timer.join(timeout=30)  # a row it is writing goes before the last one, and before finish()
+            if self._timer.is_alive():  # stuck in a W&B call: the replica's shutdown must not wait on it
+                logging.getLogger(__name__).warning("W&B is not answering: its run is left unfinished")
+                return
         self.maybe_log(force=True)
         run, self.run = self.run, None
         if run is not None:

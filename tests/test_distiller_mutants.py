@@ -191,6 +191,34 @@ def test_an_initial_version_the_controller_made_is_not_served_for_an_expert_with
     assert store.versions == [0] and store.manifest["draft"] == draft_fingerprint(merged)
 
 
+def test_a_job_whose_store_a_replica_cleared_meanwhile_publishes_nothing(plain_ray, monkeypatch, tmp_path, draft_dir):
+    """The replica loads the LoRA expert while the job trains from the controller's base version 0: it
+    clears the store and publishes its own version 0. A clear restarts the numbering, so the job's
+    expect_current=0 still held and its base-trained candidate became version 1, served to the expert."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from osd_serve.distill.versions import VersionStore, VersionWatcher, draft_fingerprint
+
+    root = tmp_path / "versions"
+    merged = {n: t + 0.5 for n, t in load_file(next(Path(draft_dir).glob("*.safetensors"))).items()}
+
+    def replica_loads_the_expert():
+        watcher = VersionWatcher(root, apply=lambda *a: None)
+        try:
+            watcher.watch("default", lambda: merged)
+        finally:
+            watcher.close()
+
+    ctrl, _, _ = _controller(plain_ray, monkeypatch, tmp_path, draft_dir, during=replica_loads_the_expert)
+    _fill(plain_ray, 8, heldout=2)
+    event = ctrl._update("default", "size", {"num_workers": 1, "use_gpu": False})
+    assert (event["published"], event["version"]) == (False, None)
+    store = VersionStore(root / "default")
+    assert store.versions == [0] and store.manifest["draft"] == draft_fingerprint(merged)
+
+
 def test_a_refused_candidate_or_a_rollback_meanwhile_publishes_nothing(plain_ray, monkeypatch, tmp_path, draft_dir):
     from osd_serve.distill.versions import VersionStore
 
@@ -273,6 +301,8 @@ def test_connect_gives_the_actors_the_config(monkeypatch):
     assert made == [("buffer", {"name": names[0], **opts}, (buffer_cfg, pair), {}),
                     ("controller", {"name": names[1], **opts}, args, {"keep_versions": 2, "buffer_name": names[0]})]
     assert configured == [("buffer", (buffer_cfg, pair), {}), ("controller", args, {"keep_versions": 2})]
+    # the pair as configured: the embedded default's paths differ from node to node
+    assert dist.pair_of(parse_config({})) == ["embedded default", "embedded default"]
     # Each Serve application its own pair of actors; a caller outside any replica gets the default app's
     assert len({*names, *dist.actor_names("qwen")}) == 4
     made.clear()

@@ -146,13 +146,19 @@ class VersionStore:
                 fcntl.flock(f, fcntl.LOCK_UN)
 
     def publish(self, state: dict[str, torch.Tensor], meta: dict | None = None, adapter_writer=None,
-                expect_current: int | None | str = "any", draft: str | None = None) -> int | None:
+                expect_current: int | None | str = "any", draft: str | None = None,
+                expect_draft: str | None = "any") -> int | None:
         """Write a new version and make it current; returns its number. adapter_writer(dir), if
         given, writes the LoRA adapter into the version's adapter/ folder. expect_current: publish only
         if the current version is still this one (a candidate trained from it), else return None.
-        draft: the draft's fingerprint (draft_fingerprint), recorded in the same manifest write."""
+        draft: the draft's fingerprint (draft_fingerprint), recorded in the same manifest write.
+        expect_draft: publish only if the store still holds that draft's versions (the manifest's
+        fingerprint). A clear() restarts the numbering, so expect_current alone passed a candidate
+        trained from the cleared store's version 0 over the new draft's version 0."""
         with self._locked():
             if expect_current != "any" and self.current != expect_current:
+                return None
+            if expect_draft != "any" and self.manifest.get("draft") != expect_draft:
                 return None
             if draft is not None:
                 self.manifest["draft"] = draft
