@@ -1,5 +1,6 @@
-"""Distillation across the cluster, one per Serve application: a replay buffer actor over Ray's object store, and a controller that
-runs Ray Train jobs on capacity serving leaves idle, guards them, and publishes draft versions.
+"""Distillation across the cluster, one per Serve application: a replay buffer actor over Ray's object
+store, and a controller that runs Ray Train jobs on capacity serving leaves idle, guards them, and
+publishes draft versions.
 
     SpecServer replicas (colocated) or Verifier replicas (disaggregated)
         --record--> ReplayBufferActor: ray.put into the object store; keeps refs + sizes
