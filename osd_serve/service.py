@@ -82,8 +82,8 @@ class SpecService:
         self.watcher: VersionWatcher | None = None
         try:
             self._start(drafts, econf, record_sink, private_versions)
-        except BaseException:  # a bad adapter, a store of another draft's shapes: the replica fails, and what
-            self.close()  # started is stopped (the W&B run and its timer, engine and distiller threads, the slot)
+        except BaseException:  # a full disk in a distiller, a store of another draft's shapes: the replica fails,
+            self.close()  # and what started is stopped (the W&B run and its timer, engine and distiller threads, the slot)
             raise
 
     def _start(self, drafts: dict, econf: EngineConfig, record_sink, private_versions: bool) -> None:
