@@ -57,15 +57,19 @@ class ReplayBufferActor:
     def configure(self, cfg: dict, pair: list[str] | None = None) -> None:
         """The actor is detached and outlives the app: a redeploy brings its config here, and a
         redeploy onto another pair empties the buffer."""
-        if pair is not None and self.pair is not None and list(pair) != list(self.pair):
+        if self._another_pair(pair):
             logger.warning("replay buffer: the pair changed from %s to %s; its records are dropped", self.pair, pair)
             self.buffer = ReplayBuffer(BufferConfig(**cfg))
         else:
             self.buffer.reconfigure(BufferConfig(**cfg))
         self.pair = pair if pair is not None else self.pair
 
+    def _another_pair(self, pair: list[str] | None) -> bool:
+        """Whether ``pair`` names another pair than the buffer's (None on either side: no pair known)."""
+        return pair is not None and self.pair is not None and list(pair) != list(self.pair)
+
     def add(self, expert: str, record, nbytes: int, pair: list[str] | None = None) -> bool:
-        if pair is not None and self.pair is not None and list(pair) != list(self.pair):
+        if self._another_pair(pair):
             return False  # from a replica of the pair before a redeploy, serving until the new ones are up
         # Put here, not by the sender: the object's owner is the process that put it, and the
         # buffer must own its records, or a replica that goes away would take its records along.
