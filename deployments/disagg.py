@@ -61,15 +61,17 @@ CONSISTENT_HASH = "ray.serve.experimental.consistent_hash_router.ConsistentHashR
 
 def _load(cfg: AppConfig, role: str):
     """(model of that role, vocab, max_model_len), the pair built first if it is the default."""
-    from osd_serve.loading import check_same_vocab, load_model, load_tokenizer, pack_target, pair_limits
+    from osd_serve.loading import check_same_vocab, check_vocab_rows, load_model, load_tokenizer, pack_target, pair_limits
     from osd_serve.service import model_config
 
     mc = model_config(cfg)
     # as load_pair does in the colocated topology: a replica with a mismatched pair never starts
-    check_same_vocab(load_tokenizer(mc.target), load_tokenizer(mc.draft, "draft"))
+    tok = load_tokenizer(mc.target)
+    check_same_vocab(tok, load_tokenizer(mc.draft, "draft"))
     vocab, max_len = pair_limits(mc.target, mc.draft, cfg.max_model_len)
     dtype = mc.resolved_dtype() if role == "target" else mc.resolved_draft_dtype()
     model = load_model(mc.target if role == "target" else mc.draft, role, mc.resolved_device(), dtype)
+    check_vocab_rows(model, len(tok), role)
     if role == "target":
         pack_target(model, mc)
     return model, vocab, max_len

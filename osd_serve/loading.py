@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -146,6 +147,21 @@ def load_tokenizer(name: str, role: str = "target"):
         raise _load_error(name, role, e) from e
 
 
+def _takes_flash_attn(config, dtype: torch.dtype) -> bool:
+    """Whether flash-attention-2 can run this model at this dtype: "auto" must not fail where SDPA
+    works. flash-attn computes in float16/bfloat16 only, and transformers refuses it for the
+    architectures that lack it (Bloom, CodeGen, MPT, ...) before loading a weight."""
+    from transformers import AutoModelForCausalLM
+
+    if dtype not in (torch.float16, torch.bfloat16):
+        return False
+    try:
+        cls = AutoModelForCausalLM._model_mapping[type(config)]
+    except KeyError:  # not in transformers' registry: let from_pretrained decide
+        return True
+    return bool(getattr(cls, "_supports_flash_attn", False))
+
+
 def load_model(name: str, role: str, device: torch.device, dtype: torch.dtype, attn: str = "auto"):
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -154,10 +170,10 @@ def load_model(name: str, role: str, device: torch.device, dtype: torch.dtype, a
     name, impl = expand(name), attention_backend(device, attn)  # a bad attention choice is its own error
     try:
         config = AutoConfig.from_pretrained(name)
-        # auto without flash-attn, or for a sliding-window model (its window comes as a 4D mask, which
-        # flash-attn does not take, kv.window_masks): let transformers pick SDPA where the model has it
+        # auto without flash-attn, for a sliding-window model (its window comes as a 4D mask, which
+        # flash-attn does not take, kv.window_masks) or one flash-attn cannot run: let transformers pick SDPA where the model has it
         # and eager where it has not (Bloom, GPT-J, CodeGen, Gemma2 refuse an explicit "sdpa")
-        if attn == "auto" and (impl == "sdpa" or sliding_window(config)):
+        if attn == "auto" and (impl == "sdpa" or sliding_window(config) or not _takes_flash_attn(config, dtype)):
             impl = None
         model = AutoModelForCausalLM.from_pretrained(name, config=config, dtype=dtype, attn_implementation=impl)
     except Exception as e:  # truncated safetensors, unknown architectures: named, not a traceback
@@ -208,6 +224,14 @@ def adapter_dir_problem(path: str) -> str | None:
         return "has no adapter_model.safetensors (pickled adapters are refused)"
     if not (p / "adapter_config.json").is_file():  # peft needs it too: its own error read "does not fit the draft"
         return "has no adapter_config.json (save the adapter with peft's save_pretrained)"
+    try:
+        kind = json.loads((p / "adapter_config.json").read_text()).get("peft_type")
+    except (ValueError, OSError, AttributeError) as e:
+        return f"has an unreadable adapter_config.json ({e})"
+    # An expert's adapter is merged into its draft: a prompt-tuning one has nothing to merge, and failed
+    # in the replica with an AttributeError
+    if kind != "LORA":
+        return f"holds a {kind} adapter, not LoRA (peft_type must be LORA)" if kind else "names no peft_type (it must be LORA)"
     return None
 
 
@@ -219,11 +243,12 @@ def attach_adapter(draft, name: str, path: str):
     if why := adapter_dir_problem(path):
         raise ValueError(f"adapter {name!r}: {path!r} {why}")
     p = Path(expand(path))
+    peft_name = name.replace(".", "_")  # peft names modules after it and refuses a dot; expert names may hold one
     try:
         if isinstance(draft, PeftModel):
-            draft.load_adapter(str(p), adapter_name=name)
+            draft.load_adapter(str(p), adapter_name=peft_name)
             return draft
-        return PeftModel.from_pretrained(draft, str(p), adapter_name=name).eval()
+        return PeftModel.from_pretrained(draft, str(p), adapter_name=peft_name).eval()
     except Exception as e:  # e.g. a LoRA trained on another base: peft's size-mismatch RuntimeError
         raise ValueError(f"adapter {name!r} at {path!r} does not fit the draft: {str(e).splitlines()[0]}") from e
 
@@ -240,14 +265,27 @@ def pack_target(target, cfg: ModelConfig) -> int:
     return pack_linears(target)
 
 
+def check_vocab_rows(model, n_tokens: int, role: str) -> None:
+    """A model needs an embedding row for every id its tokenizer gives. A target short of rows
+    refused ordinary prompts one request at a time; a draft short of rows had its missing ids
+    clamped to its last row (kv.py), a wrong input no error named. More rows than tokens is a
+    padded vocabulary, and fine."""
+    rows = model.get_input_embeddings().weight.shape[0]
+    if rows < n_tokens:
+        raise ValueError(f"{role} model has {rows} embedding rows, fewer than its tokenizer's {n_tokens} tokens: "
+                         f"it was not trained with this tokenizer")
+
+
 def load_pair(cfg: ModelConfig):
     """Returns (target, draft, tokenizer). Fails before anything is served if the pair is unusable."""
     device, dtype = cfg.resolved_device(), cfg.resolved_dtype()
     ttok, dtok = load_tokenizer(cfg.target, "target"), load_tokenizer(cfg.draft, "draft")
     check_same_vocab(ttok, dtok)
     target = load_model(cfg.target, "target", device, dtype, cfg.attn_implementation)
+    check_vocab_rows(target, len(ttok), "target")
     pack_target(target, cfg)
     draft = load_model(cfg.draft, "draft", device, cfg.resolved_draft_dtype(), cfg.attn_implementation)
+    check_vocab_rows(draft, len(ttok), "draft")
     for name, path in cfg.draft_adapters.items():
         draft = attach_adapter(draft, name, path)
     return target, draft, ttok
