@@ -9,10 +9,10 @@ Math (one program per batch row b, k_i = num_draft[b]):
     final    = min(#{i : C_i <= u_k * C_{V-1}}, last i with dist_i > 0),   C = cumsum(dist)
     out      = [x_0 .. x_{a-1}, final, -1 ...]
 
-The accept test is elementwise float32, bit-identical to the reference. The cumulative sums are
-float64: the kernel sums V in blocks (tl.cumsum plus a running carry), the reference in one
-torch.cumsum, and float64 makes the two orders agree on the chosen token except when u * total
-lands within ~1e-16 of a boundary.
+The accept test is elementwise, u * q < p on float32 probabilities compared in float64 (u is
+float64), bit-identical to the reference. The cumulative sums are float64: the kernel sums V in
+blocks (tl.cumsum plus a running carry), the reference in one torch.cumsum, and float64 makes the
+two orders agree on the chosen token except when u * total lands within ~1e-16 of a boundary.
 
 Two passes over V: the first finds the residual's mass (to choose dist) and the total, the second
 locates the inverse-CDF index. k is small (<= ~10), so the draft positions are a scalar loop.
