@@ -108,9 +108,12 @@ def load_stream(files: list[str], fields: list[str] | None = None, template: str
         stream = [x for items in per_file for x in items]
         random.Random(seed + 1).shuffle(stream)
         return stream[:max_requests] if max_requests else stream
-    share = math.ceil(max_requests / len(files)) if max_requests else None
-    stream = [x for items in per_file for x in items[:share]]
-    return stream[:max_requests] if max_requests else stream
+    if not max_requests:
+        return [x for items in per_file for x in items]
+    # Equal shares, the first max_requests % n files one more: a ceil share cut at max_requests gave
+    # 3 files of --max-requests 4 shares of 2, 2 and 0, and the third domain never came.
+    n = len(per_file)
+    return [x for i, items in enumerate(per_file) for x in items[:max_requests // n + (i < max_requests % n)]]
 
 
 def run_stream(engine: SpecEngine, prompts: list[str], params: SamplingParams, desc: str) -> tuple[list, list, float]:

@@ -137,13 +137,17 @@ def test_a_data_file_name_that_is_not_utf8_labels_the_stream_as_text(tmp_path):
 
 
 def test_a_shift_takes_max_requests_from_equal_shares_of_the_files_in_order(tmp_path):
-    """Sequential order is a shift: each file in turn gives ceil(max_requests / files) of its records,
-    and the stream is cut at max_requests. A floor share gave 4 requests for --max-requests 5 over two
-    files, and none at all from any file for fewer requests than files."""
+    """Sequential order is a shift: each file in turn gives an equal share of max_requests, the first
+    max_requests % files one more. A floor share gave 4 requests for --max-requests 5 over two files,
+    and none at all from any file for fewer requests than files; a ceil share cut at max_requests gave
+    three files of --max-requests 4 shares of 2, 2 and 0."""
     a = _jsonl(tmp_path / "a.jsonl", [{"q": f"a{i}"} for i in range(10)])
     b = _jsonl(tmp_path / "b.jsonl", [{"q": f"b{i}"} for i in range(10)])
+    c = _jsonl(tmp_path / "c.jsonl", [{"q": f"c{i}"} for i in range(10)])
     assert [s["source"] for s in load_stream([a, b], max_requests=5)] == ["a.jsonl"] * 3 + ["b.jsonl"] * 2
     assert [s["source"] for s in load_stream([a, b], max_requests=1)] == ["a.jsonl"]
+    assert [s["source"] for s in load_stream([a, b, c], max_requests=4)] == ["a.jsonl"] * 2 + ["b.jsonl", "c.jsonl"]
+    assert [s["source"] for s in load_stream([a, b, c], max_requests=7)] == ["a.jsonl"] * 3 + ["b.jsonl"] * 2 + ["c.jsonl"] * 2
     assert len(load_stream([a, b])) == 20 and len(load_stream([a, b], order="shuffle", max_requests=5)) == 5
 
 
