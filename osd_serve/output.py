@@ -82,9 +82,13 @@ class ByteTokens(NamedTuple):
 
     value: dict[int, int]  # id -> its byte
     skipped: frozenset[int]
+    size: int = 1 << 62  # ids from here on are not the tokenizer's: a decode drops them, as it does specials
+
+    def skips(self, t: int) -> bool:
+        return t in self.skipped or t >= self.size
 
     def ends_run(self, t: int) -> bool:
-        return t not in self.value and t not in self.skipped
+        return t not in self.value and not self.skips(t)
 
 
 _BYTE_TOKENS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -104,7 +108,7 @@ def byte_tokens(tokenizer) -> ByteTokens:
     skipped = set(getattr(tokenizer, "all_special_ids", ())) if value else set()
     if value:  # added specials outside the special-tokens map (<unused0>, ChatML's <|im_start|>) are skipped too
         skipped |= {i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(t, "special", False)}
-    found = ByteTokens(value, frozenset(skipped))
+    found = ByteTokens(value, frozenset(skipped), len(tokenizer) if value and hasattr(tokenizer, "__len__") else 1 << 62)
     try:
         _BYTE_TOKENS[tokenizer] = found
     except TypeError:
@@ -336,7 +340,7 @@ class Request:
         """Whether the output's last run of byte tokens, t included, can still decode as UTF-8: every byte
         fits, and a token ending the run leaves no character unfinished (its bytes are U+FFFD too).
         ``_run_utf8`` exists only while a run is open, so a token that is not a byte costs nothing."""
-        if t in bt.skipped:
+        if bt.skips(t):
             return True
         try:
             if t in bt.value:

@@ -108,3 +108,29 @@ def test_completion_acceptance_is_accepted_over_proposed():
     c = Completion("r", "p", "t", [1, 2, 3], "length", proposed=8, accepted=6, steps=2)
     assert c.acceptance == 0.75 and c.tokens_per_step == 1.5
     assert Completion("r", "p", "t", [], None).acceptance == 0.0
+
+
+@pytest.mark.parametrize("case", ["invalid run, then more text", "valid bytes after the dropped id"])
+def test_ids_past_the_tokenizer_do_not_end_a_byte_run(case):
+    """A model's embedding may be padded past its tokenizer (Phi-3: 32064 rows, 32011 tokens) and can
+    sample those ids; a decode drops them, as it drops specials. Taken as ending a byte run, the stream
+    repeated text (A) or sent "x" that the final text had as U+FFFD (B), and the text depended on how many
+    tokens a step accepted."""
+    from osd_serve.output import _decode
+    from tests.conftest import byte_fallback_tokenizer
+
+    sp = byte_fallback_tokenizer(["▁The", "▁is", "a", "▁a", "."])
+    a, dot = sp.convert_tokens_to_ids("▁a"), sp.convert_tokens_to_ids(".")
+    byte = [sp.convert_tokens_to_ids(f"<0x{i:02X}>") for i in range(256)]
+    x = len(sp) + 3  # an id the model has and the tokenizer lacks
+    assert sp.decode([x]) == ""
+    out = [a, byte[0xC3], byte[0xFF], x, a, a] if case.startswith("invalid") else \
+        [a, byte[0xC3], byte[0xE6], byte[0x97], byte[0xA5], x, byte[0x78], dot, a]
+    want = _decode(sp, out, [1, a])
+    for max_tokens in (len(out), len(out) + 1):  # finished on the last token, and still running
+        r = Request("r", "", [1, a], SamplingParams(max_tokens=max_tokens, ignore_eos=True), None)
+        streamed = ""
+        for t in out:  # one token a step: the case a whole step's acceptance hid
+            r.append([t], sp, set())
+            streamed += r.delta().text
+        assert r.text == want and streamed == want
