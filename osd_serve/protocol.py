@@ -227,7 +227,9 @@ def render_chat(messages: list[dict], tokenizer) -> str | list[int]:
             return tokenizer.encode(text, add_special_tokens=False)
         except (TypeError, UnicodeError) as e:  # what the template rendered (check_prompt's case for a text)
             raise ValueError(f"messages: the chat template's text could not be tokenized: {e}") from None
-    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+    # a name goes beside its role, as templates that know it write it: dropped, it was accepted and ignored
+    return "".join(f"{m['role']}{' (' + m['name'] + ')' if m.get('name') else ''}: {m['content']}\n"
+                   for m in messages) + "assistant:"
 
 
 def prepare_prompt(tokenizer, vocab: int, max_model_len: int, prompt, params: SamplingParams) -> Prompt:

@@ -131,6 +131,9 @@ def test_a_messages_name_reaches_the_chat_template():
     tok = char_tokenizer()
     tok.chat_template = "{% for m in messages %}{{ m.get('name', '?') }}:{{ m.content }}\n{% endfor %}"
     assert tok.decode(render_chat(req.message_dicts(), tok)) == "ann:hi\n"
+    # Without a template, plain turns carry it too (they dropped it)
+    tok.chat_template = None
+    assert render_chat(req.message_dicts() + [{"role": "user", "content": "yo"}], tok) == "user (ann): hi\nuser: yo\nassistant:"
 
 
 def test_a_long_bad_value_is_not_echoed_whole():
