@@ -146,10 +146,13 @@ def make_hole_safe(model) -> None:
     """Once per model, by whatever owns its caches (the engine, a disaggregated worker), before any
     BatchKV of it runs a forward: refuse models whose attention depends on where a key sits in the cache
     rather than on its position_ids and the mask, since holes would change their output (MPT's ALiBi over
-    the physical key index; GPT-Neo's local layers, a window over physical columns), and sliding-window
+    the physical key index; GPT-Neo's local layers, a window over physical columns; Llama-4), and sliding-window
     models on flash-attention-2, which takes no 4D mask (``window_masks``)."""
     c = getattr(model.config, "text_config", model.config)
-    if c.model_type == "mpt" or (c.model_type == "gpt_neo" and "local" in str(getattr(c, "attention_layers", ""))):
+    # Llama-4: its chunked layers build their chunks over physical columns, and its NoPE layers' attention
+    # temperature scales with the cache's column count (get_seq_length), holes included
+    chunked = "chunked_attention" in (getattr(c, "layer_types", None) or ()) or getattr(c, "attn_temperature_tuning", False)
+    if c.model_type == "mpt" or chunked or (c.model_type == "gpt_neo" and "local" in str(getattr(c, "attention_layers", ""))):
         raise ValueError(f"model type {c.model_type!r} is not supported: its attention reads a key's place in the "
                          f"cache rather than its position ids, so the cache's holes (rejected drafts) would change its output")
     if sliding_window(c) and getattr(model.config, "_attn_implementation", None) == "flash_attention_2":
@@ -274,11 +277,17 @@ class BatchKV:
         """Keep only ``rows`` (indices into the batch), in that order. [B']
         Compacts if holes then take more than ``compact_above`` of the columns (the engine passes its
         EngineConfig.compact_hole_fraction)."""
-        self.col_pos = self.col_pos[rows]
+        col_pos = self.col_pos[rows]  # [B', P]
+        # Leading columns that are holes in every kept row go too (free: this copies anyway). They are
+        # the rows that left; kept, the width grew a column a step for as long as the batch never emptied
+        # whenever compaction did not run (compact_hole_fraction 1.0 never does).
+        live = (col_pos >= 0).any(0)  # [P]
+        first = int(live.to(torch.int8).argmax()) if bool(live.any()) else 0
+        self.col_pos = col_pos[:, first:]
         self.length = self.length[rows]
         for layer in self._layers():
-            layer.keys = layer.keys[rows]
-            layer.values = layer.values[rows]
+            layer.keys = layer.keys[rows, :, first:]
+            layer.values = layer.values[rows, :, first:]
         if self.batch_size and self.hole_fraction() > compact_above:
             self.compact()  # the rows that left may have been the longest
 

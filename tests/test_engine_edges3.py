@@ -197,3 +197,26 @@ def test_requests_added_and_aborted_from_another_thread_while_one_thread_steps(t
             assert i % 3 == 1 and r.output_ids == ref[: len(r.output_ids)]
         else:
             assert r.finish_reason == "length" and r.output_ids == ref, i
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_the_cache_stays_narrow_under_traffic_that_never_empties_the_batch(tok, target, k):
+    """Rows that left stayed as leading hole columns: with compact_hole_fraction 1.0 (never compact) the
+    width grew a column a step for as long as the batch never emptied (402 columns after 400 steps for
+    rows of 9 tokens at k = 0), and so did every forward's attention. Outputs stay the target's."""
+    from tests.test_engine import _hf_greedy
+
+    eng = SpecEngine(target, perturbed(target, 0.05), tok, EngineConfig(max_batch_size=4, compact_hole_fraction=1.0))
+    params = SamplingParams(max_tokens=8, num_speculative_tokens=k, ignore_eos=True)
+    prompts, out, widths = {}, {}, []
+    for step in range(60):
+        if len(eng.waiting) + len(eng.running) < 4:  # one new row a step at most: rows overlap
+            prompt = [5 + step % 7, 6, 7]
+            prompts[eng.add_request(prompt, params)] = prompt
+        for d in eng.step()[0]:
+            out.setdefault(d.request_id, []).extend(d.token_ids)
+        assert eng.running
+        widths.append(eng._target_kv.width)
+    assert max(widths[20:]) <= 3 + 8 + k + 1  # one row's prompt, output and a step's drafts
+    done = [r for r in out if len(out[r]) == 8]
+    assert len(done) >= 20 and all(out[r] == _hf_greedy(target, prompts[r], 8) for r in done)

@@ -237,6 +237,21 @@ def test_models_whose_attention_reads_cache_places_are_refused(tok):
         DraftWorker(m, len(tok))
 
 
+@pytest.mark.parametrize("chunk, tuning", [(4, False), (4096, True)])
+def test_llama4_is_refused(tok, chunk, tuning):
+    """Llama-4's chunked layers chunk physical columns, and its NoPE layers' temperature scales with the
+    cache's column count: with holes, batch 3 gave 4-6 of 6 outputs that were not the target's (chunk 4),
+    and a row behind 8 hole columns logits 0.013 off (temperature tuning, floor_scale 2)."""
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    cfg = Llama4TextConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, intermediate_size_mlp=64,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                           num_local_experts=1, attention_chunk_size=chunk, attn_temperature_tuning=tuning, floor_scale=2)
+    m = Llama4ForCausalLM(cfg)
+    with pytest.raises(ValueError, match="'llama4_text' is not supported"):
+        SpecEngine(m, m, tok)
+
+
 def test_a_forward_that_raises_part_way_leaves_the_cache_as_it_was(tok):
     """Out of memory in a late layer: the layers before it had appended the forward's columns, col_pos
     had not, and every later forward of those rows failed on the mismatch (a disaggregated worker's
