@@ -287,5 +287,5 @@ def test_select_keeps_the_chosen_rows_and_compacts_when_the_long_ones_leave(tok)
     kv.select(torch.tensor([2, 1]), compact_above=0.5)
     assert kv.length.tolist() == [8, 3] and kv.width == 8  # holes were 60% of the columns
     assert all(torch.equal(_row_cache(kv, i, 1), w) for i, w in enumerate(want))
-    kv.select(torch.tensor([1]), compact_above=1.0)  # 1.0: never compact
-    assert kv.length.tolist() == [3] and kv.width == 8 and torch.equal(_row_cache(kv, 0, 1), want[1])
+    kv.select(torch.tensor([1]), compact_above=1.0)  # 1.0: never compact, but the leading holes (the row that left) go
+    assert kv.length.tolist() == [3] and kv.width == 3 and torch.equal(_row_cache(kv, 0, 1), want[1])
