@@ -22,7 +22,7 @@ from ray.serve.handle import DeploymentHandle
 from osd_serve.config import SamplingParams
 
 from .api import make_app
-from .config import AppConfig, parse_config
+from .config import AppConfig, parse_config, replica_app, versions_root
 
 
 @serve.deployment(name="SpecServer", max_ongoing_requests=64)
@@ -42,7 +42,8 @@ class SpecServer:
             self.buffer, self.controller = connect(self.cfg)
             pair = pair_of(self.cfg)
             sink = lambda record: send_record(self.buffer, record, pair)  # noqa: E731
-        self.service = SpecService(self.cfg, replica_tag=tag, record_sink=sink, private_versions=private)
+        self.service = SpecService(self.cfg, replica_tag=tag, record_sink=sink, private_versions=private,
+                                   versions_dir=versions_root(self.cfg, replica_app()))
         if sink is not None:
             start_heartbeat(self.controller, tag, self.service.load)
 

@@ -198,3 +198,25 @@ def parse_config(args: dict | None) -> AppConfig:
     except ValidationError as e:
         lines = [f"{'.'.join(str(p) for p in err['loc']) or 'args'}: {err['msg']}" for err in e.errors()]
         raise ValueError("invalid serve_config.yaml args:\n  " + "\n  ".join(lines)) from None
+
+
+def replica_app() -> str | None:
+    """The Serve application of the calling replica; None outside one (a script, a test)."""
+    try:
+        from ray.serve import get_replica_context
+
+        return get_replica_context().app_name
+    except Exception:  # noqa: BLE001  RayServeException outside a replica, ImportError without Ray
+        return None
+
+
+def versions_root(cfg: AppConfig, app: str | None) -> Path:
+    """Where an application's draft versions live: versions_dir/<app>. Stores are per expert below it,
+    so two applications on one versions_dir published over each other's "default" expert (each
+    application's controller trains its own pair), and a local-backend replica took another
+    application's slot and resumed its versions. None (no application): versions_dir itself."""
+    root = Path(os.path.expanduser(cfg.distill.versions_dir))
+    if not app:
+        return root
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", app)  # one directory, whatever the application's name
+    return root / (name if set(name) != {"."} else "_" * len(name))

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
-import os
 import secrets
 import time
 import uuid
@@ -35,7 +34,7 @@ from osd_serve.distill.versions import VersionStore
 from osd_serve.output import Request, finish_counts, fit_max_tokens
 
 from .app import Readiness
-from .config import AppConfig
+from .config import AppConfig, replica_app, versions_root
 
 IDLE_SEQUENCE_S = 600.0  # see Verifier._forget_idle
 RELEASED_KEPT = 4096  # released ids a replica remembers; a call queued before its release is seconds old
@@ -78,7 +77,7 @@ def _load(cfg: AppConfig, role: str):
 
 
 def _versions_dir(cfg: AppConfig) -> Path:
-    return Path(os.path.expanduser(cfg.distill.versions_dir))
+    return versions_root(cfg, replica_app())  # the controller's (distiller.connect), in every replica of the app
 
 
 class _Batched:

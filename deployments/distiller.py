@@ -300,13 +300,9 @@ def actor_names(app: str) -> tuple[str, str]:
 
 
 def _app_name() -> str:
-    from ray.serve import get_replica_context
-    from ray.serve.exceptions import RayServeException
+    from .config import replica_app
 
-    try:
-        return get_replica_context().app_name
-    except RayServeException:  # not in a replica (a script, a test): the default application's
-        return "default"
+    return replica_app() or "default"  # not in a replica (a script, a test): the default application's
 
 
 def connect(cfg, app: str | None = None) -> tuple:
@@ -316,14 +312,17 @@ def connect(cfg, app: str | None = None) -> tuple:
     application (default: the calling replica's)."""
     from osd_serve.service import model_paths
 
+    from .config import versions_root
+
     d = cfg.distill
-    buffer_name, controller_name = actor_names(app or _app_name())
+    app = app or _app_name()
+    buffer_name, controller_name = actor_names(app)
     opts = {"namespace": NAMESPACE, "get_if_exists": True, "lifetime": "detached"}
     buffer_cfg = {"max_bytes": d.buffer_mb << 20, "trigger_records": d.trigger_records, "trigger_age_s": d.trigger_age_s}
     pair = pair_of(cfg)
     buffer = ReplayBufferActor.options(name=buffer_name, **opts).remote(buffer_cfg, pair)
     train = {"mode": d.mode, "lr": d.lr, "steps_per_update": d.steps_per_update}
-    args = (model_paths(cfg)[1], d.versions_dir, train, d.steps_per_update, d.max_train_workers)
+    args = (model_paths(cfg)[1], str(versions_root(cfg, app)), train, d.steps_per_update, d.max_train_workers)
     controller = DistillController.options(name=controller_name, **opts).remote(*args, keep_versions=d.keep_versions,
                                                                                 buffer_name=buffer_name)
     ray.get([buffer.configure.remote(buffer_cfg, pair), controller.configure.remote(*args, keep_versions=d.keep_versions)])

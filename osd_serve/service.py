@@ -60,7 +60,8 @@ def expert_draft(base, adapter: str | None, name: str = "expert"):
 
 
 class SpecService:
-    def __init__(self, cfg, models=None, replica_tag: str = "local", record_sink=None, private_versions: bool = False):
+    def __init__(self, cfg, models=None, replica_tag: str = "local", record_sink=None, private_versions: bool = False,
+                 versions_dir: Path | None = None):
         """cfg: deployments.config.AppConfig (or anything with its fields).
 
         record_sink(record): distillation runs elsewhere (deployments/distiller.py): finished
@@ -68,9 +69,10 @@ class SpecService:
         private_versions: a Ray Serve replica, whose id no later replica has: the local backend keeps
         its versions in a slot directory (versions_dir/replicas/slot-N, distill.versions.claim_slot)
         held while it lives, so the replica that replaces it resumes them; otherwise under
-        versions_dir/<replica_tag>."""
+        versions_dir/<replica_tag>. versions_dir: instead of cfg's (a Serve application's own, deployments.config.versions_root)."""
         self.cfg, self.replica_tag = cfg, replica_tag
         self._slot = None  # the open lock file holding this replica's slot
+        self.versions_dir = versions_dir or Path(os.path.expanduser(cfg.distill.versions_dir))
         self.target, base, self.tokenizer = models or load_models(cfg)
         drafts = {e.name: expert_draft(base, e.adapter, e.name) for e in cfg.experts}
         econf = EngineConfig(max_batch_size=cfg.max_batch_size, max_model_len=cfg.max_model_len)
@@ -91,9 +93,9 @@ class SpecService:
         self.server = AsyncSpecServer(self.target, self.tokenizer, drafts, econf, on_step=self.telemetry.on_step)
         d = cfg.distill
         if d.enabled and record_sink is not None:
-            self._watch_versions(Path(os.path.expanduser(d.versions_dir)), record_sink, RecordConfig(keep=d.keep, topk=d.record_topk))
+            self._watch_versions(self.versions_dir, record_sink, RecordConfig(keep=d.keep, topk=d.record_topk))
         elif d.enabled:
-            root = Path(os.path.expanduser(d.versions_dir)) / replica_tag
+            root = self.versions_dir / replica_tag
             if private_versions:
                 root, self._slot = claim_slot(root.parent / "replicas")
             for name, eng in self.server.engines.items():

@@ -180,8 +180,8 @@ def test_the_open_v1_warning_is_logged_only_without_an_api_key(monkeypatch, capl
 class _Service:
     """Stands in for osd_serve.service.SpecService: keeps how it was made, answers admin ops by name."""
 
-    def __init__(self, cfg, replica_tag, record_sink, private_versions):
-        self.tag, self.sink, self.private = replica_tag, record_sink, private_versions
+    def __init__(self, cfg, replica_tag, record_sink, private_versions, versions_dir):
+        self.tag, self.sink, self.private, self.versions_dir = replica_tag, record_sink, private_versions, versions_dir
         self.experts, self.load, self.close = lambda: [e.name for e in cfg.experts], lambda: (1, 8), lambda: None
 
     async def stream(self, expert, prompt, params):
@@ -204,11 +204,29 @@ def _spec_server(monkeypatch, **args):
 def test_a_replica_serves_its_own_versions_and_outside_one_shares_them(monkeypatch):
     """In a Ray Serve replica the local backend claims a versions slot its replacement resumes (by the
     replica's id, private_versions); outside one (tests, the CLI) versions live under versions_dir/local."""
-    local = _spec_server(monkeypatch, distill={"enabled": False})
+    local = _spec_server(monkeypatch, distill={"enabled": False, "versions_dir": "/vs"})
     assert (local.service.tag, local.service.private, local.service.sink) == ("local", False, None)
-    monkeypatch.setattr(app.serve, "get_replica_context", lambda: SimpleNamespace(replica_id=SimpleNamespace(unique_id="r7")))
-    replica = _spec_server(monkeypatch, distill={"enabled": False})
+    assert local.service.versions_dir == Path("/vs")
+    context = SimpleNamespace(replica_id=SimpleNamespace(unique_id="r7"), app_name="llama")
+    monkeypatch.setattr(app.serve, "get_replica_context", lambda: context)
+    monkeypatch.setattr("ray.serve.get_replica_context", lambda: context)
+    replica = _spec_server(monkeypatch, distill={"enabled": False, "versions_dir": "/vs"})
     assert (replica.service.tag, replica.service.private) == ("r7", True)
+    # its application's own directory: another application's slot (and its versions) is never taken over
+    assert replica.service.versions_dir == Path("/vs/llama")
+
+
+def test_each_application_has_its_own_versions_directory(monkeypatch):
+    """Stores are per expert: two applications on one versions_dir published over each other's "default"."""
+    from deployments.config import versions_root
+    from deployments.disagg import _versions_dir
+
+    cfg = AppConfig(distill={"versions_dir": "/vs"})
+    assert versions_root(cfg, None) == Path("/vs") and versions_root(cfg, "osd") == Path("/vs/osd")
+    assert versions_root(cfg, "a/../b") == Path("/vs/a_.._b") and versions_root(cfg, "..") == Path("/vs/__")
+    assert _versions_dir(cfg) == Path("/vs")  # outside a replica
+    monkeypatch.setattr("ray.serve.get_replica_context", lambda: SimpleNamespace(app_name="qwen"))
+    assert _versions_dir(cfg) == Path("/vs/qwen")  # the disaggregated pool's watcher and the router's admin routes
 
 
 def test_only_enabled_ray_train_distillation_connects_to_the_cluster(monkeypatch):

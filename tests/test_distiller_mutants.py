@@ -294,7 +294,7 @@ def test_connect_gives_the_actors_the_config(monkeypatch):
         "max_train_workers": 6, "steps_per_update": 9, "lr": 0.01, "mode": "full", "versions_dir": "/vs"}})
     dist.connect(cfg, app="llama")
     buffer_cfg = {"max_bytes": 3 * 1024 * 1024, "trigger_records": 5, "trigger_age_s": 7.5}
-    args = ("org/draft", "/vs", {"mode": "full", "lr": 0.01, "steps_per_update": 9}, 9, 6)
+    args = ("org/draft", "/vs/llama", {"mode": "full", "lr": 0.01, "steps_per_update": 9}, 9, 6)  # the app's own versions
     opts = {"namespace": dist.NAMESPACE, "get_if_exists": True, "lifetime": "detached"}
     names = dist.actor_names("llama")
     pair = ["org/target", "org/draft"]
@@ -308,6 +308,7 @@ def test_connect_gives_the_actors_the_config(monkeypatch):
     made.clear()
     dist.connect(cfg)
     assert [m[1]["name"] for m in made] == list(dist.actor_names("default"))
+    assert made[1][2][1] == "/vs/default"
 
 
 def test_records_and_heartbeats_reach_the_actors(monkeypatch):
