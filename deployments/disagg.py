@@ -70,7 +70,7 @@ def _load(cfg: AppConfig, role: str):
     vocab, max_len = pair_limits(mc.target, mc.draft, cfg.max_model_len)
     dtype = mc.resolved_dtype() if role == "target" else mc.resolved_draft_dtype()
     model = load_model(mc.target if role == "target" else mc.draft, role, mc.resolved_device(), dtype)
-    check_vocab_rows(model, len(tok), role)
+    check_vocab_rows(model, tok.vocab_size, role)  # the base vocabulary, as load_pair
     if role == "target":
         pack_target(model, mc)
     return model, vocab, max_len

@@ -228,10 +228,17 @@ def adapter_dir_problem(path: str) -> str | None:
         kind = json.loads((p / "adapter_config.json").read_text()).get("peft_type")
     except (ValueError, OSError, AttributeError) as e:
         return f"has an unreadable adapter_config.json ({e})"
-    # An expert's adapter is merged into its draft: a prompt-tuning one has nothing to merge, and failed
-    # in the replica with an AttributeError
-    if kind != "LORA":
-        return f"holds a {kind} adapter, not LoRA (peft_type must be LORA)" if kind else "names no peft_type (it must be LORA)"
+    # An expert's adapter is merged into its draft: a prompt-learning one (prompt or prefix tuning) has
+    # no weights to merge, and failed in the replica with an AttributeError. LoRA, AdaLoRA, LoHa, LoKr,
+    # IA3 merge.
+    from peft.config import PromptLearningConfig
+    from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
+
+    kinds = {str(getattr(k, "value", k)): c for k, c in PEFT_TYPE_TO_CONFIG_MAPPING.items()}
+    if kind not in kinds:
+        return f"names peft_type {kind!r}, which this peft does not know (a LoRA adapter's is 'LORA')"
+    if issubclass(kinds[kind], PromptLearningConfig) or kind == "ADAPTION_PROMPT":
+        return f"holds a {kind} adapter, which has no weights to merge into the draft (use LoRA)"
     return None
 
 
@@ -244,6 +251,8 @@ def attach_adapter(draft, name: str, path: str):
         raise ValueError(f"adapter {name!r}: {path!r} {why}")
     p = Path(expand(path))
     peft_name = name.replace(".", "_")  # peft names modules after it and refuses a dot; expert names may hold one
+    if isinstance(draft, PeftModel) and peft_name in draft.peft_config:  # "a.b" after "a_b" replaced it
+        raise ValueError(f"adapter {name!r}: the draft already has an adapter named {peft_name!r}")
     try:
         if isinstance(draft, PeftModel):
             draft.load_adapter(str(p), adapter_name=peft_name)
@@ -266,14 +275,14 @@ def pack_target(target, cfg: ModelConfig) -> int:
 
 
 def check_vocab_rows(model, n_tokens: int, role: str) -> None:
-    """A model needs an embedding row for every id its tokenizer gives. A target short of rows
+    """A model needs an embedding row for every id of its tokenizer's vocabulary. A target short of rows
     refused ordinary prompts one request at a time; a draft short of rows had its missing ids
     clamped to its last row (kv.py), a wrong input no error named. More rows than tokens is a
     padded vocabulary, and fine."""
     rows = model.get_input_embeddings().weight.shape[0]
-    if rows < n_tokens:
-        raise ValueError(f"{role} model has {rows} embedding rows, fewer than its tokenizer's {n_tokens} tokens: "
-                         f"it was not trained with this tokenizer")
+    if rows < n_tokens:  # n_tokens: the base vocabulary (see load_pair)
+        raise ValueError(f"{role} model has {rows} embedding rows, fewer than the {n_tokens} tokens of its tokenizer's "
+                         f"vocabulary: it was not trained with this tokenizer")
 
 
 def load_pair(cfg: ModelConfig):
@@ -282,10 +291,12 @@ def load_pair(cfg: ModelConfig):
     ttok, dtok = load_tokenizer(cfg.target, "target"), load_tokenizer(cfg.draft, "draft")
     check_same_vocab(ttok, dtok)
     target = load_model(cfg.target, "target", device, dtype, cfg.attn_implementation)
-    check_vocab_rows(target, len(ttok), "target")
+    # The base vocabulary, not len(): added specials may sit past the embedding and never occur in text
+    # (Gemma-3 1B: 262144 rows, 262145 tokens with <image_soft_token>; Llama-2 finetunes' <pad>)
+    check_vocab_rows(target, ttok.vocab_size, "target")
     pack_target(target, cfg)
     draft = load_model(cfg.draft, "draft", device, cfg.resolved_draft_dtype(), cfg.attn_implementation)
-    check_vocab_rows(draft, len(ttok), "draft")
+    check_vocab_rows(draft, ttok.vocab_size, "draft")
     for name, path in cfg.draft_adapters.items():
         draft = attach_adapter(draft, name, path)
     return target, draft, ttok

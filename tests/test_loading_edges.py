@@ -44,7 +44,7 @@ def test_a_prompt_tuning_adapter_is_refused_at_serve_run(tmp_path):
 
     base = llama(len(char_tokenizer()), hidden=32, layers=1, seed=1)
     get_peft_model(base, PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2)).save_pretrained(tmp_path / "p")
-    assert "PROMPT_TUNING adapter, not LoRA" in adapter_dir_problem(str(tmp_path / "p"))
+    assert "PROMPT_TUNING adapter, which has no weights to merge" in adapter_dir_problem(str(tmp_path / "p"))
     with pytest.raises(ValueError, match=r"experts\.0\.adapter.*PROMPT_TUNING"):
         parse_config({"experts": [{"name": "p", "adapter": str(tmp_path / "p")}], "default_expert": "p"})
     (tmp_path / "p" / "adapter_config.json").write_text("{not json")
@@ -78,7 +78,7 @@ def test_a_model_short_of_embedding_rows_is_refused_at_load(tmp_path, short):
         rows = len(tok) - 20 if role == short else len(tok) + 3  # more rows than tokens (a padded vocabulary) is fine
         llama(rows, hidden=32, layers=1, seed=0).save_pretrained(tmp_path / role)
         tok.save_pretrained(tmp_path / role)
-    why = f"{short} model has {len(tok) - 20} embedding rows, fewer than its tokenizer's {len(tok)}"
+    why = f"{short} model has {len(tok) - 20} embedding rows, fewer than the {len(tok)} tokens of its tokenizer's vocabulary"
     with pytest.raises(ValueError, match=why):
         load_pair(ModelConfig(target=str(tmp_path / "target"), draft=str(tmp_path / "draft"), device="cpu"))
     from deployments.config import AppConfig
@@ -96,3 +96,45 @@ def test_a_padded_vocabulary_loads(tmp_path):
     target, draft, _ = load_pair(ModelConfig(target=str(tmp_path / "target"), draft=str(tmp_path / "draft"), device="cpu"))
     assert target.get_input_embeddings().weight.shape[0] == len(tok) + 3
     assert json.loads((tmp_path / "draft" / "config.json").read_text())["vocab_size"] == len(tok) + 3
+
+
+def test_added_special_tokens_past_the_embedding_load(tmp_path):
+    """Gemma-3 1B has 262144 rows and 262145 tokens (<image_soft_token>), Llama-2 finetunes a <pad> past
+    32000: such specials never occur in text, and those pairs serve. Only the base vocabulary needs rows."""
+    tok = char_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<image_soft_token>"]})
+    assert len(tok) == tok.vocab_size + 1
+    for role in ("target", "draft"):
+        llama(tok.vocab_size, hidden=32, layers=1, seed=0).save_pretrained(tmp_path / role)
+        tok.save_pretrained(tmp_path / role)
+    target, _, _ = load_pair(ModelConfig(target=str(tmp_path / "target"), draft=str(tmp_path / "draft"), device="cpu"))
+    assert target.get_input_embeddings().weight.shape[0] == len(tok) - 1
+
+
+@pytest.mark.parametrize("kind", ["IA3", "LOHA"])
+def test_weight_adapters_other_than_lora_still_merge(tmp_path, kind):
+    """Only prompt-learning adapters have nothing to merge; IA3, LoHa, LoKr, AdaLoRA serve as before."""
+    import peft
+
+    from osd_serve.loading import adapter_dir_problem
+    from osd_serve.service import expert_draft
+
+    config = {"IA3": peft.IA3Config(target_modules=["k_proj", "down_proj"], feedforward_modules=["down_proj"]),
+              "LOHA": peft.LoHaConfig(r=2, target_modules=["q_proj"], init_weights=False)}[kind]
+    made = peft.get_peft_model(llama(len(char_tokenizer()), hidden=32, layers=1, seed=1), config)
+    made.save_pretrained(tmp_path / kind)
+    assert adapter_dir_problem(str(tmp_path / kind)) is None
+    merged = expert_draft(llama(len(char_tokenizer()), hidden=32, layers=1, seed=1), str(tmp_path / kind), "e")
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        assert torch.allclose(merged(ids).logits, made(ids).logits, atol=1e-5)
+
+
+def test_two_adapter_names_that_map_to_one_peft_name_are_refused(lora_dir):
+    """peft refuses a dot, so "a.b" is attached as "a_b": after an "a_b" it replaced that one, silently."""
+    from osd_serve.loading import attach_adapter
+
+    path, _ = lora_dir
+    draft = attach_adapter(llama(len(char_tokenizer()), hidden=32, layers=1, seed=1), "a_b", str(path))
+    with pytest.raises(ValueError, match="already has an adapter named 'a_b'"):
+        attach_adapter(draft, "a.b", str(path))
