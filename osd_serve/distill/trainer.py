@@ -97,6 +97,7 @@ class DistillTrainer:
         # (Qwen2.5-0.5B for -7B: 151936 < 152064) learns the target's distribution over those.
         self.width = min(self.vocab, draft.get_output_embeddings().weight.shape[0])
         self.base_names = set(draft.state_dict())
+        self._dtypes = {n: t.dtype for n, t in draft.state_dict().items()}  # what serving_state hands back
         self._template = draft
         self.student = self._build_student(None)
         self.device = next(self.student.parameters()).device
@@ -110,6 +111,17 @@ class DistillTrainer:
         student = copy.deepcopy(self._template)
         if state is not None:
             student.load_state_dict(state, strict=False)
+        # Dropout off (as trl's disable_dropout): serving and the guard run the draft in eval mode, and the
+        # student that fits the teacher under dropout is not the one that matches it there (a GPT-2 draft
+        # equal to its target trained at loss 1.84 and left at alpha 0.94); it also drew from the global RNG.
+        for m in student.modules():
+            if isinstance(m, torch.nn.Dropout):
+                m.p = 0.0
+        if self.cfg.mode == "full" and any(p.dtype in (torch.bfloat16, torch.float16) for p in student.parameters()):
+            # float32 master weights: AdamW on bfloat16 weights rounds away every step smaller than half a
+            # ulp (at lr 1e-5, 85% of the weights never moved). serving_state casts back. (LoRA: peft keeps
+            # its adapters in float32 already.)
+            student = student.float()
         if self.cfg.mode == "lora":
             from peft import LoraConfig, get_peft_model
 
@@ -146,8 +158,13 @@ class DistillTrainer:
         self.student.eval()
         # A draft wider than the target (a padded embedding) must not sample ids the target cannot embed
         wide = list(range(self.vocab, self.student.get_output_embeddings().weight.shape[0]))
+        # The draft's own distribution: every warper a checkpoint's generation_config may turn on is
+        # turned off here (Qwen2.5-Instruct ships temperature 0.7, top_p 0.8, repetition_penalty 1.05,
+        # which gave samples 0.40 in total variation from the draft's softmax)
+        plain = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0, "epsilon_cutoff": 0.0,
+                 "eta_cutoff": 0.0, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0}
         out = self.student.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, do_sample=True,
-                                    top_k=0, pad_token_id=0, suppress_tokens=wide or None)
+                                    pad_token_id=0, suppress_tokens=wide or None, **plain)
         self.student.train()
         seq = out[0]
         logits = self.teacher(seq[None].to(next(self.teacher.parameters()).device)).logits[0, :, : self.vocab]
@@ -241,7 +258,8 @@ class DistillTrainer:
             state = merged.state_dict()
         else:
             state = self.student.state_dict()
-        return {n: t.detach().clone().contiguous() for n, t in state.items() if n in self.base_names}
+        # in the draft's own dtypes (a full-mode student trains in float32)
+        return {n: t.detach().to(self._dtypes[n]).clone().contiguous() for n, t in state.items() if n in self.base_names}
 
     def save_adapter(self, path: str) -> None:
         """LoRA mode: the adapter in peft's format (adapter_model.safetensors), loadable by
