@@ -312,9 +312,12 @@ def connect(cfg, app: str | None = None) -> tuple:
     application (default: the calling replica's)."""
     from osd_serve.service import model_paths
 
-    from .config import versions_root
+    from .config import replica_app, versions_root
 
     d = cfg.distill
+    # versions where this process's watchers read them: outside a replica (a script, a test) that is
+    # versions_dir itself, as SpecServer's and DraftPool's (deployments.config.versions_root)
+    versions = versions_root(cfg, app or replica_app())
     app = app or _app_name()
     buffer_name, controller_name = actor_names(app)
     opts = {"namespace": NAMESPACE, "get_if_exists": True, "lifetime": "detached"}
@@ -322,7 +325,7 @@ def connect(cfg, app: str | None = None) -> tuple:
     pair = pair_of(cfg)
     buffer = ReplayBufferActor.options(name=buffer_name, **opts).remote(buffer_cfg, pair)
     train = {"mode": d.mode, "lr": d.lr, "steps_per_update": d.steps_per_update}
-    args = (model_paths(cfg)[1], str(versions_root(cfg, app)), train, d.steps_per_update, d.max_train_workers)
+    args = (model_paths(cfg)[1], str(versions), train, d.steps_per_update, d.max_train_workers)
     controller = DistillController.options(name=controller_name, **opts).remote(*args, keep_versions=d.keep_versions,
                                                                                 buffer_name=buffer_name)
     ray.get([buffer.configure.remote(buffer_cfg, pair), controller.configure.remote(*args, keep_versions=d.keep_versions)])

@@ -214,6 +214,11 @@ def check_same_vocab(target_tok, draft_tok) -> None:
         )
 
 
+# peft types whose adapters merge_and_unload folds into a draft's weights (each checked on a tiny Llama)
+MERGEABLE_PEFT_TYPES = frozenset({"LORA", "ADALORA", "IA3", "LOHA", "LOKR", "OFT", "BOFT", "VERA", "FOURIERFT", "HRA",
+                                  "LN_TUNING"})
+
+
 def adapter_dir_problem(path: str) -> str | None:
     """Why ``path`` is not a peft LoRA directory this project loads (safetensors only), or None.
     Asked at `serve run` (deployments.config) and again where the adapter loads."""
@@ -228,17 +233,12 @@ def adapter_dir_problem(path: str) -> str | None:
         kind = json.loads((p / "adapter_config.json").read_text()).get("peft_type")
     except (ValueError, OSError, AttributeError) as e:
         return f"has an unreadable adapter_config.json ({e})"
-    # An expert's adapter is merged into its draft: a prompt-learning one (prompt or prefix tuning) has
-    # no weights to merge, and failed in the replica with an AttributeError. LoRA, AdaLoRA, LoHa, LoKr,
-    # IA3 merge.
-    from peft.config import PromptLearningConfig
-    from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
-
-    kinds = {str(getattr(k, "value", k)): c for k, c in PEFT_TYPE_TO_CONFIG_MAPPING.items()}
-    if kind not in kinds:
-        return f"names peft_type {kind!r}, which this peft does not know (a LoRA adapter's is 'LORA')"
-    if issubclass(kinds[kind], PromptLearningConfig) or kind == "ADAPTION_PROMPT":
-        return f"holds a {kind} adapter, which has no weights to merge into the draft (use LoRA)"
+    # An expert's adapter is merged into its draft. Prompt-learning adapters have no weights to merge
+    # (an AttributeError in the replica), and Poly, Lily, ShadowPEFT and bias-only BEFT raise in
+    # merge_and_unload: only types seen to merge pass.
+    if kind not in MERGEABLE_PEFT_TYPES:
+        return f"has peft_type {kind!r}, whose adapters cannot be merged into the draft (allowed: " \
+               f"{', '.join(sorted(MERGEABLE_PEFT_TYPES))})"
     return None
 
 

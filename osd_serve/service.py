@@ -56,7 +56,10 @@ def expert_draft(base, adapter: str | None, name: str = "expert"):
         return d
     from .loading import attach_adapter
 
-    return attach_adapter(d, name, adapter).merge_and_unload()
+    try:
+        return attach_adapter(d, name, adapter).merge_and_unload()
+    except (NotImplementedError, AttributeError) as e:  # an adapter type peft cannot merge: named, not a traceback
+        raise ValueError(f"adapter {name!r} at {adapter!r} cannot be merged into the draft: {e}") from e
 
 
 class SpecService:

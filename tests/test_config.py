@@ -60,7 +60,7 @@ def test_adapters_and_model_directories_are_checked_at_serve_run(tmp_path):
     with pytest.raises(ValueError, match="experts.0.adapter: .*no adapter_config.json"):  # peft needs both files
         parse_config({"experts": [{"name": "default", "adapter": str(tmp_path)}]})
     (tmp_path / "adapter_config.json").write_text("{}")
-    with pytest.raises(ValueError, match="experts.0.adapter: .*names peft_type None"):
+    with pytest.raises(ValueError, match="experts.0.adapter: .*has peft_type None"):
         parse_config({"experts": [{"name": "default", "adapter": str(tmp_path)}]})
     (tmp_path / "adapter_config.json").write_text('{"peft_type": "LORA"}')
     assert parse_config({"experts": [{"name": "default", "adapter": str(tmp_path)}]}).experts[0].adapter == str(tmp_path)

@@ -44,7 +44,7 @@ def test_a_prompt_tuning_adapter_is_refused_at_serve_run(tmp_path):
 
     base = llama(len(char_tokenizer()), hidden=32, layers=1, seed=1)
     get_peft_model(base, PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2)).save_pretrained(tmp_path / "p")
-    assert "PROMPT_TUNING adapter, which has no weights to merge" in adapter_dir_problem(str(tmp_path / "p"))
+    assert "has peft_type 'PROMPT_TUNING', whose adapters cannot be merged" in adapter_dir_problem(str(tmp_path / "p"))
     with pytest.raises(ValueError, match=r"experts\.0\.adapter.*PROMPT_TUNING"):
         parse_config({"experts": [{"name": "p", "adapter": str(tmp_path / "p")}], "default_expert": "p"})
     (tmp_path / "p" / "adapter_config.json").write_text("{not json")
@@ -111,18 +111,23 @@ def test_added_special_tokens_past_the_embedding_load(tmp_path):
     assert target.get_input_embeddings().weight.shape[0] == len(tok) - 1
 
 
-@pytest.mark.parametrize("kind", ["IA3", "LOHA"])
+@pytest.mark.parametrize("kind", ["IA3", "LOHA", "POLY"])
 def test_weight_adapters_other_than_lora_still_merge(tmp_path, kind):
-    """Only prompt-learning adapters have nothing to merge; IA3, LoHa, LoKr, AdaLoRA serve as before."""
+    """IA3, LoHa and the other types that merge serve as before; Poly raises NotImplementedError in
+    merge_and_unload, so it is refused at serve run (it had failed the replica's start)."""
     import peft
 
     from osd_serve.loading import adapter_dir_problem
     from osd_serve.service import expert_draft
 
     config = {"IA3": peft.IA3Config(target_modules=["k_proj", "down_proj"], feedforward_modules=["down_proj"]),
-              "LOHA": peft.LoHaConfig(r=2, target_modules=["q_proj"], init_weights=False)}[kind]
+              "LOHA": peft.LoHaConfig(r=2, target_modules=["q_proj"], init_weights=False),
+              "POLY": peft.PolyConfig(r=2, target_modules=["q_proj"], n_tasks=1)}[kind]
     made = peft.get_peft_model(llama(len(char_tokenizer()), hidden=32, layers=1, seed=1), config)
     made.save_pretrained(tmp_path / kind)
+    if kind == "POLY":
+        assert "has peft_type 'POLY', whose adapters cannot be merged" in adapter_dir_problem(str(tmp_path / kind))
+        return
     assert adapter_dir_problem(str(tmp_path / kind)) is None
     merged = expert_draft(llama(len(char_tokenizer()), hidden=32, layers=1, seed=1), str(tmp_path / kind), "e")
     ids = torch.tensor([[5, 6, 7, 8]])

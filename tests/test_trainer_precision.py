@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import copy
 
+import pytest
 import torch
 
 from osd_serve.distill.replay import make_record
@@ -27,14 +28,23 @@ def _records(target, n: int = 4, seed: int = 0) -> list:
     return recs
 
 
-def test_a_draft_with_dropout_trains_without_it():
-    """GPT-2 drafts have dropout 0.1: trained with it on, a draft equal to its target had a loss of 1.84 and an
-    update moved it away from the target; each run also drew from the global RNG (not reproducible by seed)."""
-    target = gpt2(V, seed=0)
-    assert target.config.resid_pdrop > 0
+def _opt(seed: int = 0):
+    from transformers import OPTConfig, OPTForCausalLM
+
+    torch.manual_seed(seed)  # OPT applies dropout as F.dropout(p=config.dropout), not as an nn.Dropout module
+    return OPTForCausalLM(OPTConfig(vocab_size=V, hidden_size=32, ffn_dim=64, num_hidden_layers=1, num_attention_heads=4,
+                                    max_position_embeddings=64, word_embed_proj_dim=32, dropout=0.1)).eval()
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "opt"])
+def test_a_draft_with_dropout_trains_without_it(arch):
+    """GPT-2 and OPT drafts have dropout 0.1: trained with it on, a GPT-2 draft equal to its target had a loss of
+    1.84 and an update moved it away from the target; each run also drew from the global RNG (not reproducible
+    by seed). Setting nn.Dropout modules to 0 missed OPT's functional dropout: the student trains in eval mode."""
+    target = gpt2(V, seed=0) if arch == "gpt2" else _opt()
     recs = _records(target)
     trainer = DistillTrainer(copy.deepcopy(target), TrainConfig(mode="full", lr=1e-4, batch_size=4), vocab=V)
-    assert trainer.student.training and trainer.batch_loss(recs).item() < 1e-4
+    assert trainer.batch_loss(recs).item() < 1e-4
     states = []
     for seed in (0, 1):  # another global RNG state, the same TrainConfig.seed
         torch.manual_seed(seed)
@@ -76,3 +86,34 @@ def test_student_samples_follow_the_drafts_own_distribution():
     empirical = torch.tensor([counts[t] / n for t in range(V)])
     # sampling noise at n = 1000 over 40 ids: ~0.04 (the bug: 0.40)
     assert 0.5 * float((empirical - q).abs().sum()) < 0.1
+
+
+def test_the_guard_scores_what_would_serve():
+    """A bfloat16 draft trains on float32 masters; the guard scored that float32 student, so an update whose
+    published (bfloat16) weights were the serving ones read better by the dtype alone and was published, and
+    others were refused on it. It now scores the published state in the serving dtype."""
+    import tempfile
+    import types
+
+    from osd_serve.distill.guard import evaluate
+    from osd_serve.distill.online import OnlineDistiller
+    from osd_serve.distill.replay import BufferConfig, ReplayBuffer
+    from osd_serve.distill.versions import VersionStore
+    from tests.conftest import perturbed
+
+    target = llama(V, seed=0).eval()
+    draft = perturbed(target, 0.3, seed=6).to(torch.bfloat16).eval()
+    buf, recs = ReplayBuffer(BufferConfig(trigger_records=1)), _records(target, n=24)
+    for i, r in enumerate(recs):
+        r.heldout = i % 3 == 0
+        buf.add(r)
+    engine = types.SimpleNamespace(draft=draft, vocab=V, swap_draft=lambda s, v: None, recorder=None, draft_version=None)
+    trainer = DistillTrainer(copy.deepcopy(draft), TrainConfig(mode="full", lr=1e-7, steps_per_update=4, batch_size=4), vocab=V)
+    with tempfile.TemporaryDirectory() as d:
+        store = VersionStore(d + "/default", keep_last=5)
+        res = OnlineDistiller(engine, trainer, buf, store).update("default")
+        state = trainer.serving_state()  # what was (or would have been) published
+    served = copy.deepcopy(draft)
+    served.load_state_dict(state, strict=False)
+    held = [r for r in recs if r.heldout]
+    assert res.candidate["expected_acceptance"] == evaluate(served, held, V)["expected_acceptance"]

@@ -122,7 +122,11 @@ class OnlineDistiller:
         try:
             losses = self.trainer.train(train)
             state = self.trainer.serving_state()
-            candidate = self.trainer.student
+            # Scored as it would serve: the published state in the serving draft's dtype. The student
+            # itself (float32 masters under a bfloat16 draft) moved the guard's alpha by the dtype alone,
+            # publishing near no-op versions and refusing others. (The Ray controller loads it the same way.)
+            candidate = copy.deepcopy(self.serving)
+            candidate.load_state_dict(state, strict=False)
             verdict = check(candidate, self.serving, heldout, self.vocab, self.guard, candidate_state=state,
                             steps_taken=len(losses))
             version = None

@@ -111,12 +111,6 @@ class DistillTrainer:
         student = copy.deepcopy(self._template)
         if state is not None:
             student.load_state_dict(state, strict=False)
-        # Dropout off (as trl's disable_dropout): serving and the guard run the draft in eval mode, and the
-        # student that fits the teacher under dropout is not the one that matches it there (a GPT-2 draft
-        # equal to its target trained at loss 1.84 and left at alpha 0.94); it also drew from the global RNG.
-        for m in student.modules():
-            if isinstance(m, torch.nn.Dropout):
-                m.p = 0.0
         if self.cfg.mode == "full" and any(p.dtype in (torch.bfloat16, torch.float16) for p in student.parameters()):
             # float32 master weights: AdamW on bfloat16 weights rounds away every step smaller than half a
             # ulp (at lr 1e-5, 85% of the weights never moved). serving_state casts back. (LoRA: peft keeps
@@ -132,7 +126,11 @@ class DistillTrainer:
             with torch.random.fork_rng():
                 torch.manual_seed(self.cfg.seed)
                 student = get_peft_model(student, lcfg)
-        return student.train()
+        # Trained in eval mode: serving and the guard run the draft so, and the student that fits the
+        # teacher under dropout is not the one that matches it there (a GPT-2 draft equal to its target
+        # trained at loss 1.84 and left at alpha 0.94; dropout also drew from the global RNG). Not only
+        # nn.Dropout modules: OPT, XGLM and BioGPT call functional dropout with a config float.
+        return student.eval()
 
     def reset_to(self, state: dict[str, torch.Tensor]) -> None:
         """Restart from serving weights (a rollback): new student, new optimizer."""
@@ -155,7 +153,6 @@ class DistillTrainer:
         """The student continues the prompt; the target scores every sampled position."""
         prompt = rec.prompt_ids.long()[None].to(self.device)
         n = max(len(rec.response_ids), 1)
-        self.student.eval()
         # A draft wider than the target (a padded embedding) must not sample ids the target cannot embed
         wide = list(range(self.vocab, self.student.get_output_embeddings().weight.shape[0]))
         # The draft's own distribution: every warper a checkpoint's generation_config may turn on is
@@ -165,7 +162,6 @@ class DistillTrainer:
                  "eta_cutoff": 0.0, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0}
         out = self.student.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, do_sample=True,
                                     pad_token_id=0, suppress_tokens=wide or None, **plain)
-        self.student.train()
         seq = out[0]
         logits = self.teacher(seq[None].to(next(self.teacher.parameters()).device)).logits[0, :, : self.vocab]
         idx = torch.arange(len(rec.prompt_ids) - 1, len(seq) - 1)
