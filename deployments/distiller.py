@@ -299,12 +299,6 @@ def actor_names(app: str) -> tuple[str, str]:
     return f"{BUFFER_NAME}.{app}", f"{CONTROLLER_NAME}.{app}"
 
 
-def _app_name() -> str:
-    from .config import replica_app
-
-    return replica_app() or "default"  # not in a replica (a script, a test): the default application's
-
-
 def connect(cfg, app: str | None = None) -> tuple:
     """The application's buffer actor and controller (created by whichever of its replicas comes
     first, then found by name, and given this config: they are detached, so they outlive a redeploy
@@ -315,11 +309,11 @@ def connect(cfg, app: str | None = None) -> tuple:
     from .config import replica_app, versions_root
 
     d = cfg.distill
+    app = app or replica_app()
     # versions where this process's watchers read them: outside a replica (a script, a test) that is
     # versions_dir itself, as SpecServer's and DraftPool's (deployments.config.versions_root)
-    versions = versions_root(cfg, app or replica_app())
-    app = app or _app_name()
-    buffer_name, controller_name = actor_names(app)
+    versions = versions_root(cfg, app)
+    buffer_name, controller_name = actor_names(app or "default")  # outside a replica: the default application's
     opts = {"namespace": NAMESPACE, "get_if_exists": True, "lifetime": "detached"}
     buffer_cfg = {"max_bytes": d.buffer_mb << 20, "trigger_records": d.trigger_records, "trigger_age_s": d.trigger_age_s}
     pair = pair_of(cfg)

@@ -137,7 +137,7 @@ class OnlineDistiller:
                 if self.trainer.cfg.mode == "lora":  # the adapter is a delta over the version the LoRA was put on
                     writer, meta["adapter_base_version"] = self.trainer.save_adapter, self._adapter_base
                 version = self.store.publish(state, meta, adapter_writer=writer)
-                self.serving.load_state_dict(state, strict=False)
+                self.serving = candidate  # it holds the published state already
                 self.trainer.commit()
                 self.engine.swap_draft(state, version)
                 with self._lock:  # what serves now has learnt them: no later guard may score on them

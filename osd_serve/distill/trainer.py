@@ -96,8 +96,8 @@ class DistillTrainer:
         # The ids the student can put mass on: a draft with a smaller embedding than the target's
         # (Qwen2.5-0.5B for -7B: 151936 < 152064) learns the target's distribution over those.
         self.width = min(self.vocab, draft.get_output_embeddings().weight.shape[0])
-        self.base_names = set(draft.state_dict())
-        self._dtypes = {n: t.dtype for n, t in draft.state_dict().items()}  # what serving_state hands back
+        # the draft's own names and dtypes: what serving_state hands back (a full-mode student trains in float32)
+        self._dtypes = {n: t.dtype for n, t in draft.state_dict().items()}
         self._template = draft
         self.student = self._build_student(None)
         self.device = next(self.student.parameters()).device
@@ -254,8 +254,7 @@ class DistillTrainer:
             state = merged.state_dict()
         else:
             state = self.student.state_dict()
-        # in the draft's own dtypes (a full-mode student trains in float32)
-        return {n: t.detach().to(self._dtypes[n]).clone().contiguous() for n, t in state.items() if n in self.base_names}
+        return {n: t.detach().to(self._dtypes[n]).clone().contiguous() for n, t in state.items() if n in self._dtypes}
 
     def save_adapter(self, path: str) -> None:
         """LoRA mode: the adapter in peft's format (adapter_model.safetensors), loadable by
