@@ -352,27 +352,40 @@ def build_pair(data_files: list[str] | None = None, out_root: str | None = None,
         raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
     cfg = PRESETS[preset]
     data_files = [str(p) for p in data_files] if data_files else None
+    seen: dict[str, str] = {}
     for p in data_files or []:
         if not os.path.isfile(p):
             raise FileNotFoundError(f"data file not found (or not a regular file): {p}")
         check_data_type(p)  # here, not when its turn to be read comes: after hashing every file before it
+        # Twice (a.jsonl ./a.jsonl, or a symlink) read it twice: every held-out prompt document was also trained on.
+        if (real := os.path.realpath(p)) in seen:
+            raise ValueError(f"data file {p!r} is {seen[real]!r} again: give each file once")
+        seen[real] = p
     # Absolute: the printed paths are read from other directories (a Ray replica, another shell).
     root = (Path(out_root) if out_root else _default_root()).expanduser().resolve()
     final = root / _cache_name(data_files, preset, cfg)
-    if not force and _is_complete(final, cfg):
+    if not force and (found := _cached(root, final, data_files, cfg)):
+        return found
+    root.mkdir(parents=True, exist_ok=True)
+    with build_lock(root):
+        # Again under the lock: the build this call waited for may be this key's, or (a file touched
+        # meanwhile) another key's of the same content; either is reused, not trained a second time.
+        if not force and (found := _cached(root, final, data_files, cfg)):
+            return found
+        _build_and_publish(root, final, data_files, cfg, preset, force)
+    return _paths(final)
+
+
+def _cached(root: Path, final: Path, data_files: list[str] | None, cfg: PairConfig) -> dict | None:
+    """The paths of a complete build for this key, or of one built from the same content; else None."""
+    if _is_complete(final, cfg):
         return _paths(final)
-    if data_files and not force and root.is_dir() and (same := _same_content_build(root, data_files, cfg)):
+    if data_files and root.is_dir() and (same := _same_content_build(root, data_files, cfg)):
         print(f"[bootstrap] {same.name} was built from the same content (the files' modification times changed): "
               f"reusing it", file=sys.stderr)
         _alias(final, same)
         return _paths(same)
-
-    root.mkdir(parents=True, exist_ok=True)
-    with build_lock(root):
-        if not force and _is_complete(final, cfg):  # the build this call waited for
-            return _paths(final)
-        _build_and_publish(root, final, data_files, cfg, preset, force)
-    return _paths(final)
+    return None
 
 
 def _build_and_publish(root: Path, final: Path, data_files: list[str] | None, cfg: PairConfig, preset: str,
@@ -381,11 +394,11 @@ def _build_and_publish(root: Path, final: Path, data_files: list[str] | None, cf
     # Built beside its final place (same filesystem) so os.replace is one atomic rename; a
     # crash leaves only a .tmp-* directory that never carries the marker.
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
-    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would stay after the rename: a shared cache others can't read
     try:
         (tmp / "PID").write_text(_owner())
         with _all_cores():
             info = _build_into(tmp, data_files, cfg, preset)
+        _share(tmp)
         (tmp / "build.json").write_text(json.dumps(info, indent=2))
         (tmp / "PID").unlink()
         (tmp / COMPLETE_MARKER).write_text("ok\n")  # last: its presence means everything else is
@@ -407,6 +420,17 @@ def _build_and_publish(root: Path, final: Path, data_files: list[str] | None, cf
             shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _share(tree: Path) -> None:
+    """Give the tree the umask's modes before it is published: mkdtemp's 0700 would stay after the rename,
+    and safetensors writes weights 0600 whatever the umask, so in a shared cache other users could read
+    a build's configs and tokenizer but not its weights."""
+    mask = _umask()
+    for d, _, names in os.walk(tree):
+        os.chmod(d, 0o777 & ~mask)
+        for n in names:
+            os.chmod(os.path.join(d, n), 0o666 & ~mask)
 
 
 def _build_into(out: Path, data_files: list[str] | None, cfg: PairConfig, preset: str) -> dict:

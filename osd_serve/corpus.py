@@ -24,8 +24,19 @@ def record_text(record: object) -> str:
     if isinstance(record, str):
         return record
     if isinstance(record, dict):
-        return "\n".join(v for v in record.values() if isinstance(v, str) and v)
+        return "\n".join(t for v in record.values() if (t := _field_text(v)))
     return ""  # numbers, lists and nulls carry no text worth learning
+
+
+def _field_text(value: object) -> str:
+    """A string field, or a chat field's turns (OpenAI {"messages": [{"content"}]}, ShareGPT
+    {"conversations": [{"value"}]}), one per line; other values carry no text worth learning."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and all(isinstance(m, dict) for m in value):
+        turns = (m.get("content", m.get("value")) for m in value)
+        return "\n".join(t for t in turns if isinstance(t, str) and t)
+    return ""
 
 
 # A document longer than this is cut into pieces (at whitespace): a .txt without line breaks or one huge
@@ -192,7 +203,13 @@ def split_heldout(docs: list[str], n: int, seed: int) -> tuple[list[str], list[s
         raise ValueError("need at least 2 documents to hold some out for prompts")
     n = min(n, max(1, len(docs) // 10))  # a small corpus keeps 90% for training
     held = set(random.Random(seed).sample(range(len(docs)), n))
-    return [d for i, d in enumerate(docs) if i not in held], [docs[i] for i in sorted(held)]
+    held_docs = [docs[i] for i in sorted(held)]
+    # By text too, not only by index: a record repeated in the data was trained on in its other place.
+    unseen = set(held_docs)
+    train = [d for i, d in enumerate(docs) if i not in held and d not in unseen]
+    if not train:
+        raise ValueError("every document repeats one held out for prompts: give more varied data")
+    return train, held_docs
 
 
 def make_prompts(held: list[str], n: int, seed: int) -> list[str]:

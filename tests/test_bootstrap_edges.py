@@ -1,0 +1,105 @@
+"""Bootstrap edges a review found: weights others cannot read, a waiting build that retrained what it
+waited for, a file given twice, repeated records, and chat-format records."""
+
+import fcntl
+import os
+import stat
+import threading
+import time
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from osd_serve import bootstrap, corpus
+from osd_serve.bootstrap import build_pair
+from tests.test_bootstrap import _fake_build
+from tests.test_bootstrap_mutants import TINY, _counting_build, _jsonl
+
+
+def test_a_published_build_has_the_umasks_modes_weights_included(tmp_path, monkeypatch):
+    """safetensors writes 0600 whatever the umask: another user of a shared cache read the configs and
+    the tokenizer, then failed on the weights."""
+    def build(out, *args):
+        info = _fake_build(out, *args)
+        save_file({"w": torch.zeros(2)}, str(out / "target" / "model.safetensors"))
+        (out / "target" / "config.json").write_text("{}")
+        return info
+
+    monkeypatch.setattr(bootstrap, "_build_into", build)
+    old = os.umask(0o022)
+    try:
+        paths = build_pair(out_root=str(tmp_path), preset="tiny")
+    finally:
+        os.umask(old)
+    target = tmp_path / "tiny-pair" / "target"
+    assert paths["target"] == str(target)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in target.iterdir()}
+    assert modes == {"model.safetensors": 0o644, "config.json": 0o644}
+    assert stat.S_IMODE((tmp_path / "tiny-pair").stat().st_mode) == 0o755  # not mkdtemp's 0700
+
+
+def test_a_waiting_build_reuses_a_same_content_build_it_waited_for(tmp_path, monkeypatch, capsys):
+    """Process A builds from d.jsonl; the file is rewritten unchanged (a checkout), so B's key differs and
+    B waits on A's lock. Once A is done, B found no build of its own key and trained a second copy."""
+    calls = _counting_build(monkeypatch)
+    data = _jsonl(tmp_path / "d.jsonl", [{"q": "a"}])
+    root = tmp_path / "out"
+    root.mkdir()
+    st = os.stat(data)
+    fd = os.open(root, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # A holds the lock
+    got = {}
+    waiting = threading.Thread(target=lambda: got.update(paths=build_pair([data], out_root=str(root), preset="tiny")))
+    try:
+        waiting.start()  # B: a miss before the lock, then waits
+        said = ""
+        for _ in range(500):  # B is past its first lookup once it says it waits
+            said += capsys.readouterr().err
+            if "another process is building a pair" in said:
+                break
+            time.sleep(0.01)
+        assert "another process is building a pair" in said
+        os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # what A saw: another time, same bytes
+        a_final = root / bootstrap._cache_name([data], "tiny", TINY)
+        bootstrap._build_and_publish(root, a_final, [data], TINY, "tiny", False)
+        os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns))  # B's key is of the original time
+    finally:
+        os.close(fd)  # A is done
+    waiting.join(30)
+    assert len(calls) == 1  # A's build only
+    assert got["paths"]["target"] == str(a_final / "target")
+    assert os.path.islink(root / bootstrap._cache_name([data], "tiny", TINY))  # B's key now aliases A's build
+
+
+@pytest.mark.parametrize("again", ["dot", "symlink", "same"])
+def test_a_data_file_given_twice_is_refused_by_name(tmp_path, monkeypatch, again):
+    """Read twice, every held-out prompt document was also a training document."""
+    calls = _counting_build(monkeypatch)
+    data = _jsonl(tmp_path / "d.jsonl", [{"q": f"question {i}"} for i in range(30)])
+    monkeypatch.chdir(tmp_path)
+    if again == "symlink":
+        os.symlink("d.jsonl", tmp_path / "link.jsonl")
+    second = {"dot": "./d.jsonl", "symlink": "link.jsonl", "same": data}[again]
+    with pytest.raises(ValueError, match=r"data file '.*' is '.*d\.jsonl' again"):
+        build_pair([data, second], out_root=str(tmp_path / "out"), preset="tiny")
+    assert not calls
+
+
+def test_a_repeated_record_held_out_is_not_trained_on():
+    docs = [f"doc {i}" for i in range(20)] * 2  # every record twice
+    train, held = corpus.split_heldout(docs, 64, seed=0)
+    assert held and not set(train) & set(held)
+    assert set(train) | set(held) == set(docs)
+    with pytest.raises(ValueError, match="more varied data"):
+        corpus.split_heldout(["same"] * 5, 4, seed=0)
+
+
+def test_chat_records_give_their_turns():
+    """{"messages": [...]} records gave "contain no text" (only top-level strings were read)."""
+    openai = {"id": "x1", "messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."},
+                                       {"role": "tool", "content": None}]}
+    sharegpt = {"conversations": [{"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4"}]}
+    assert corpus.record_text(openai) == "x1\nHi?\nHello."
+    assert corpus.record_text(sharegpt) == "2+2?\n4"
+    assert corpus.record_text({"tags": ["a", "b"], "q": "text"}) == "text"  # lists of strings stay out
