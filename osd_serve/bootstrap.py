@@ -299,6 +299,16 @@ def _ours(d: Path) -> bool:
     return bool(re.match(rf"\.tmp-(?:{names})-", d.name)) and ((d / "PID").is_file() or (d / "build.json").is_file())
 
 
+def _remove(d: Path) -> None:
+    """rmtree, with the files that make a temp dir ours (_ours) going last: a removal cut short (a second
+    Ctrl-C) then leaves a directory the next sweep still claims, not ~130 MB no sweep ever touches."""
+    with contextlib.suppress(OSError):
+        for p in d.iterdir():
+            if p.name not in ("PID", "build.json"):
+                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+    shutil.rmtree(d, ignore_errors=True)
+
+
 def _sweep_stale_tmp(root: Path, foreign_after_s: float = 86400.0) -> None:
     """Delete temp dirs left by killed builds (up to ~130 MB each): their process is gone.
 
@@ -325,7 +335,7 @@ def _sweep_stale_tmp(root: Path, foreign_after_s: float = 86400.0) -> None:
         except (OSError, ValueError):  # no PID file: a build between its last two writes, or moved aside
             if age < 3600:
                 continue
-        shutil.rmtree(d, ignore_errors=True)
+        _remove(d)
 
 
 @contextlib.contextmanager
@@ -417,9 +427,9 @@ def _build_and_publish(root: Path, final: Path, data_files: list[str] | None, cf
         if old.is_symlink():  # an alias of another build (_alias): only the link goes
             old.unlink()
         else:
-            shutil.rmtree(old, ignore_errors=True)
+            _remove(old)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove(tmp)
 
 
 def _share(tree: Path) -> None:

@@ -103,3 +103,25 @@ def test_chat_records_give_their_turns():
     assert corpus.record_text(openai) == "x1\nHi?\nHello."
     assert corpus.record_text(sharegpt) == "2+2?\n4"
     assert corpus.record_text({"tags": ["a", "b"], "q": "text"}) == "text"  # lists of strings stay out
+
+
+def test_a_removal_cut_short_leaves_a_temp_dir_the_next_sweep_claims(tmp_path, monkeypatch):
+    """A second Ctrl-C during a build's clean-up could delete the PID file first and leave the weights
+    in a directory no sweep claims (_ours needs the PID file or build.json)."""
+    d = tmp_path / ".tmp-tiny-pair-abc"
+    (d / "target").mkdir(parents=True)
+    (d / "target" / "model.safetensors").write_bytes(b"0" * 1000)
+    (d / "PID").write_text(f"{bootstrap.socket.gethostname()} 999999999")
+    (d / "build.json").write_text("{}")
+    real = bootstrap.shutil.rmtree
+
+    def interrupted(path, *a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bootstrap.shutil, "rmtree", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        bootstrap._remove(d)
+    assert bootstrap._ours(d)
+    monkeypatch.setattr(bootstrap.shutil, "rmtree", real)
+    bootstrap._sweep_stale_tmp(tmp_path)  # its process is gone
+    assert not d.exists()
