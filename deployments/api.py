@@ -26,6 +26,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from osd_serve.protocol import (ChatRequest, CompletionRequest, RequestError, chunk_body, completion_body,
                                 engine_error, parse_request, sse, usage_chunk)
 
+from osd_serve.config import short_repr
+
 from .config import AppConfig
 
 
@@ -68,7 +70,7 @@ def classify(prompt: str, cfg: AppConfig) -> str:
 
 def unknown_model(name: str, served: str) -> RequestError:
     # OpenAI's own answer to a model it does not have: a 404 with code model_not_found, which clients read
-    return RequestError(f"model: unknown model {name!r}; this server serves {served!r}", "model", 404, "model_not_found")
+    return RequestError(f"model: unknown model {short_repr(name)}; this server serves {served!r}", "model", 404, "model_not_found")
 
 
 def _unauthorized(request: Request, message: str) -> JSONResponse:
@@ -145,7 +147,7 @@ def make_app(backend, cfg: AppConfig) -> FastAPI:
         try:
             warning = await asyncio.wait_for(backend.ready(), HEALTH_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001  whatever failed (no replica, a dead one), this router cannot serve
-            why = (f"the readiness check did not finish within {HEALTH_TIMEOUT_S:g} s" if isinstance(e, TimeoutError)
+            why = (f"the readiness check did not finish within {HEALTH_TIMEOUT_S:g} s" if isinstance(e, (TimeoutError, asyncio.TimeoutError))
                    else f"{type(e).__name__}: {e}")
             return JSONResponse({"status": "unavailable", "error": why}, 503)
         return {"status": "ok"} | ({"warning": warning} if warning else {})
@@ -193,7 +195,7 @@ def make_app(backend, cfg: AppConfig) -> FastAPI:
             raise RequestError(f"{field}: {chars} characters, more than max_prompt_chars ({cfg.prompt_char_limit})", field)
         expert = req.expert or classify(text, cfg)
         if expert not in backend.experts():
-            raise RequestError(f"expert: unknown expert {expert!r}; known: {backend.experts()}", "expert")
+            raise RequestError(f"expert: unknown expert {short_repr(expert)}; known: {backend.experts()}", "expert")
         # chat may name the limit max_completion_tokens (OpenAI's newer name, ChatRequest._limit); errors then use that name
         alias = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else None
         try:
@@ -291,7 +293,7 @@ def make_app(backend, cfg: AppConfig) -> FastAPI:
 
     def _known(expert: str) -> None:
         if expert not in backend.experts():
-            raise RequestError(f"expert: unknown expert {expert!r}; known: {backend.experts()}", "expert", 404)
+            raise RequestError(f"expert: unknown expert {short_repr(expert)}; known: {backend.experts()}", "expert", 404)
 
     return app
 

@@ -72,7 +72,12 @@ class SpecServer:
 
     async def admin(self, op: str, expert: str | None = None, to: int | None = None) -> dict:
         if op == "experts":
-            return await self.service.admin_experts()
+            out = await self.service.admin_experts()
+            if getattr(self, "controller", None) is not None:  # distill.backend ray_train
+                from .distiller import controller_report
+
+                out["distill_controller"] = await controller_report(self.controller)
+            return out
         if op == "metrics":
             return await self.service.admin_metrics()
         if op == "rollback":
@@ -96,7 +101,9 @@ def not_running(deployments: list[str]) -> str | None:
             return f"{name} has no running replica (not deployed)"
         if not d.replica_states.get("RUNNING"):
             state = getattr(d.status, "value", d.status)  # DeploymentStatus.UPDATING -> UPDATING
-            return f"{name} has no running replica ({state}{': ' + d.message if d.message else ''})"
+            # Not d.message: /health needs no key, and a failed start's message is the replica's traceback
+            # (paths, model directories, node addresses). `serve status` shows it to the operator.
+            return f"{name} has no running replica ({state}; `serve status` says why)"
     return None
 
 

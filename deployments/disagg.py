@@ -377,7 +377,11 @@ class DisaggBackend:
                       "serving_version": seen.get("serving_version"), "finished": seen.get("finished", finish_counts({}))}
             if self.cfg.distill.enabled:
                 out[e]["versions"] = await asyncio.to_thread(self._versions, e)
-        return {"experts": out}
+        if not self.cfg.distill.enabled:
+            return {"experts": out}
+        from .distiller import controller_report
+
+        return {"experts": out, "distill_controller": await controller_report()}
 
     def _versions(self, expert: str) -> list[int]:
         path = _versions_dir(self.cfg) / expert

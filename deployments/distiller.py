@@ -14,6 +14,7 @@ triggers and FIFO/reservoir eviction are the core ReplayBuffer's, applied to the
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 import math
@@ -78,12 +79,15 @@ class ReplayBufferActor:
     def due(self) -> dict[str, str]:
         return self.buffer.due()
 
-    def take(self, expert: str) -> tuple[list, list[bool]]:
-        """All refs of the expert's shard, oldest first, and which are guard samples; starts a new
-        trigger window."""
+    def take(self, expert: str) -> tuple[list, list[bool], tuple]:
+        """All refs of the expert's shard, oldest first, which are guard samples, and the trigger window
+        this closes (a new one starts; ``rearm`` puts it back if the job fails)."""
         shard = self.buffer.shard(expert)
-        shard.mark_updated()
-        return [r.ref[0] for r in shard.records], [r.heldout for r in shard.records]
+        window = shard.mark_updated()
+        return [r.ref[0] for r in shard.records], [r.heldout for r in shard.records], window
+
+    def rearm(self, expert: str, window: tuple) -> None:
+        self.buffer.shard(expert).rearm(window)
 
     def retire(self, expert: str, refs: list) -> None:
         """refs: guard samples an update trained on and published (guard.retire_guard_samples)."""
@@ -225,7 +229,16 @@ class DistillController:
         return {"state": self.state, "serve_load": self.serve_load(), "updates": len(self.events),
                 "settings": {**self.settings, "versions_dir": str(self.settings["versions_dir"])}}
 
+    def report(self, jobs: int = 10) -> dict:
+        """What /admin/experts shows of the controller: its state and its last jobs (published or refused,
+        with the guard's reason and scores, or the error). Without it, a controller whose every job failed
+        looked the same as an idle one. JSON-safe: a guard's NaN score is null."""
+        return _json_safe({"state": self.state, "serve_load": self.serve_load(), "jobs": list(self.events)[-jobs:]})
+
+    RETRY_S, RETRY_MAX_S = 5.0, 300.0
+
     def _loop(self, poll_s: float) -> None:
+        wait = poll_s
         while not self._stop.is_set():
             try:
                 for expert, why in ray.get(self.buffer.due.remote()).items():
@@ -237,12 +250,24 @@ class DistillController:
                         self.events.append(self._update(expert, why, plan))
                     finally:
                         self.state = "idle"
+                wait = poll_s
             except Exception as e:  # noqa: BLE001  the controller outlives one failed job
                 self.events.append({"error": repr(e), "time": time.time()})
                 logger.warning("distill controller: %r", e)
-            self._stop.wait(poll_s)
+                # The failed job's trigger stays due (rearm): a fault that repeats (OOM) must not train
+                # and fail every poll on the cores serving needs; each retry waits twice as long.
+                wait = min(max(2 * wait, self.RETRY_S), self.RETRY_MAX_S)
+            self._stop.wait(wait)
 
     def _update(self, expert: str, why: str, plan: dict) -> dict:
+        refs, flags, window = ray.get(self.buffer.take.remote(expert))
+        try:
+            return self._job(expert, why, plan, refs, flags)
+        except Exception:
+            self.buffer.rearm.remote(expert, window)  # retried after the loop's back-off, not a whole trigger later
+            raise
+
+    def _job(self, expert: str, why: str, plan: dict, refs: list, flags: list[bool]) -> dict:
         from osd_serve.distill.guard import GuardConfig, check, split_for_guard
         from osd_serve.distill.versions import VersionStore, draft_fingerprint
         from transformers import AutoModelForCausalLM
@@ -250,7 +275,6 @@ class DistillController:
         t0 = time.time()
         cfg = self.settings
         draft_path, versions_dir = cfg["draft_path"], cfg["versions_dir"]
-        refs, flags = ray.get(self.buffer.take.remote(expert))
         guard_cfg = GuardConfig(max_heldout=cfg["heldout"])
         split = split_for_guard(flags, guard_cfg)
         if split is None:
@@ -292,6 +316,31 @@ class DistillController:
                 "seconds": time.time() - t0}
 
 
+def _json_safe(obj):
+    """obj with every non-finite float as None (JSON has no NaN: the route's encoder answered 500)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
+async def controller_report(controller=None) -> dict:
+    """The application's controller's report (looked up by name when not given, as a router holds no handle),
+    or why there is none: an admin answer must not fail because the controller is gone."""
+    try:
+        if controller is None:
+            from .config import replica_app
+
+            name = actor_names(replica_app() or "default")[1]
+            controller = await asyncio.to_thread(ray.get_actor, name, namespace=NAMESPACE)
+        return await controller.report.remote()
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"the distill controller did not answer ({type(e).__name__})"}
+
+
 def actor_names(app: str) -> tuple[str, str]:
     """The buffer's and the controller's names for one Serve application. Each application distils
     its own pair: on names shared by the cluster, a second app's replicas reconfigured the first's
@@ -314,7 +363,10 @@ def connect(cfg, app: str | None = None) -> tuple:
     # versions_dir itself, as SpecServer's and DraftPool's (deployments.config.versions_root)
     versions = versions_root(cfg, app)
     buffer_name, controller_name = actor_names(app or "default")  # outside a replica: the default application's
-    opts = {"namespace": NAMESPACE, "get_if_exists": True, "lifetime": "detached"}
+    # Restarted if they die (an OOM kill of the controller's guard loads): replicas keep their handles, and
+    # fire-and-forget records and heartbeats to a dead actor were lost without a word. A restart starts
+    # empty, with its creation's config until the next replica's connect() brings the current one.
+    opts = {"namespace": NAMESPACE, "get_if_exists": True, "lifetime": "detached", "max_restarts": -1}
     buffer_cfg = {"max_bytes": d.buffer_mb << 20, "trigger_records": d.trigger_records, "trigger_age_s": d.trigger_age_s}
     pair = pair_of(cfg)
     buffer = ReplayBufferActor.options(name=buffer_name, **opts).remote(buffer_cfg, pair)

@@ -45,6 +45,8 @@ def verify_reference(
     b, k1, v = target_probs.shape
     k = k1 - 1
     device = target_probs.device
+    # float32, as the Triton wrapper casts: a float16 residual (or float64 p, q) could pick another token
+    target_probs, draft_probs = target_probs.float(), draft_probs.float()
     rows = torch.arange(b, device=device)  # [B]
     positions = torch.arange(k1, device=device)  # [k+1]
 

@@ -17,8 +17,27 @@ def hf_assisted_settings(draft) -> dict:
     from transformers import GenerationConfig
 
     defaults = getattr(GenerationConfig, "_get_default_generation_params", lambda: {})()
-    names = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
-    return {n: v if (v := getattr(draft.generation_config, n, None)) is not None else defaults.get(n) for n in names}
+    return {n: v if (v := getattr(draft.generation_config, n, None)) is not None else defaults.get(n) for n in _DRAFTING}
+
+
+_DRAFTING = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
+
+
+@contextlib.contextmanager
+def _drafting_kept(draft, **settings):
+    """The draft's drafting settings, set to ``settings`` meanwhile and restored after. Restored after every
+    assisted call too: under a "heuristic" schedule transformers writes each call's final
+    num_assistant_tokens back into the draft's config, so (b) drafted by what the warm-up, earlier
+    prompts and earlier rounds left, and the report showed the last call's value, not the one (b) ran with."""
+    gc = draft.generation_config
+    before = {n: getattr(gc, n, None) for n in _DRAFTING}
+    for n, v in settings.items():
+        setattr(gc, n, v)
+    try:
+        yield
+    finally:
+        for n, v in before.items():
+            setattr(gc, n, v)
 
 
 @contextlib.contextmanager
@@ -52,7 +71,7 @@ def hf_generate(model, tok, prompts: list[list[int]], max_tokens: int, batch: in
         kw = dict(max_new_tokens=max_tokens, do_sample=False, pad_token_id=pad, attention_mask=mask, eos_token_id=eos or None)
         if assistant is not None:
             kw["assistant_model"] = assistant
-        with plain_greedy(model):
+        with plain_greedy(model), (_drafting_kept(assistant) if assistant is not None else contextlib.nullcontext()):
             gen = model.generate(ids, **kw)[:, width:]
         for row in gen.tolist():
             cut = next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
@@ -64,15 +83,9 @@ def hf_generate(model, tok, prompts: list[list[int]], max_tokens: int, batch: in
 def hf_drafting(draft, k: int):
     """HF assisted generation drafting exactly k tokens a step, as the engine does: a constant
     schedule and no confidence cut-off (HF's defaults draft up to 20 and stop below 0.4)."""
-    gc = draft.generation_config
-    names = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
-    before = {n: getattr(gc, n, None) for n in names}
-    gc.num_assistant_tokens, gc.num_assistant_tokens_schedule, gc.assistant_confidence_threshold = k, "constant", 0.0
-    try:
+    with _drafting_kept(draft, num_assistant_tokens=k, num_assistant_tokens_schedule="constant",
+                        assistant_confidence_threshold=0.0):
         yield
-    finally:
-        for n, v in before.items():
-            setattr(gc, n, v)
 
 
 def hf_matched_k(target, tok, ids, max_tokens: int, draft, k: int):

@@ -33,9 +33,13 @@ def _check(cond, field_name: str, allowed: str, value: object) -> None:
     if callable(cond):
         cond = _is_number(value) and cond(value)
     if not cond:
-        shown = repr(value)
-        shown = shown if len(shown) <= 200 else f"{shown[:200]}... ({len(shown)} characters)"  # not a 500 KB stop list back
-        raise ValueError(f"{field_name} must be {allowed}, got {shown}")
+        raise ValueError(f"{field_name} must be {allowed}, got {short_repr(value)}")
+
+
+def short_repr(value: object, limit: int = 200) -> str:
+    """repr for an error message, cut: a client's 500 KB stop list or model name is not sent back whole."""
+    shown = repr(value)
+    return shown if len(shown) <= limit else f"{shown[:limit]}... ({len(shown)} characters)"
 
 
 def _is_int(v: object) -> bool:

@@ -380,6 +380,7 @@ class TargetVerifier:
             st = out.setdefault(it.expert, StepStats(0, 0, 0, 0, [], [], 0, 0.0, seconds, 0.0))
             st.accepted_per_position += [0] * (k - len(st.accepted_per_position))
             st.proposed_per_position += [0] * (k - len(st.proposed_per_position))
+            st.tested_per_position += [0] * (k - len(st.tested_per_position))
             st.batch_size += 1
             st.proposed += k
             st.accepted += v.accepted
@@ -390,6 +391,7 @@ class TargetVerifier:
             for j in range(k):
                 st.proposed_per_position[j] += 1
                 st.accepted_per_position[j] += j < v.accepted
+                st.tested_per_position[j] += j <= v.accepted
         return out
 
     def release(self, seq_id: str) -> None:

@@ -13,7 +13,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -43,6 +43,9 @@ class StepStats:
     target_time: float  # seconds in the target forward and verification
     prefill_time: float  # seconds prefilling requests that joined before this step
     auto_k: int | None = None  # the k chosen for this step's "auto" rows (None: no row asked for it)
+    # [k] rows whose j-th draft token was tested: proposed and every earlier one accepted. A draft after
+    # a rejection is proposed but never tested, so accepted/proposed at j is P(first j+1 accepted), not α_j.
+    tested_per_position: list[int] = field(default_factory=list)
 
     @property
     def alpha(self) -> float | None:
@@ -254,7 +257,7 @@ class SpecEngine:
         if self.recorder is not None:
             before = [len(r.output_ids) for r in self.running]
             self.recorder.observe(self.running, out, n_acc, k_rows, before, self.draft_version)
-        acc_pos, prop_pos = [0] * k, [0] * k
+        acc_pos, prop_pos, tst_pos = [0] * k, [0] * k, [0] * k
         emitted, counted = 0, []  # counted: (accepted, proposed) of the rows the statistics describe
         for r, toks, a, kr, bad in zip(self.running, tokens, n_acc, k_rows, broken):
             if r.finished:  # aborted mid-step
@@ -275,11 +278,12 @@ class SpecEngine:
             for j in range(kr):
                 prop_pos[j] += 1
                 acc_pos[j] += j < a
+                tst_pos[j] += j <= a
         deltas = [r.delta() for r in self.running]
         rejected = sum(a < kr for a, kr in counted)
         stats = StepStats(
             len(self.running), sum(kr for _, kr in counted), sum(a for a, _ in counted), rejected, acc_pos, prop_pos,
-            emitted, out.draft_time, out.target_time, prefill, auto_k,
+            emitted, out.draft_time, out.target_time, prefill, auto_k, tst_pos,
         )
         self._drop_finished()
         for kv in (self._target_kv, self._draft_kv):

@@ -13,9 +13,9 @@ from __future__ import annotations
 import json
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from .config import MAX_SPECULATIVE_TOKENS, SEED_RANGE, TOP_K_LIMIT, SamplingParams
+from .config import MAX_SPECULATIVE_TOKENS, SEED_RANGE, TOP_K_LIMIT, SamplingParams, short_repr
 from .output import Prompt, check_prompt
 
 
@@ -136,7 +136,11 @@ class CompletionRequest(_Sampling):
     def _one_prompt(cls, v):
         # OpenAI's prompt may be a batch (a list of texts or of token-id lists); one of one is that
         # prompt, as LangChain's OpenAI LLM sends every prompt. A longer batch stays a 400 (n is 1).
-        return v[0] if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)) else v
+        if isinstance(v, list) and v and all(isinstance(p, (str, list)) for p in v):
+            if len(v) > 1:
+                raise ValueError(f"a batch of {len(v)} prompts is not supported: send one prompt per request")
+            return v[0]
+        return v
 
     @field_validator("prompt")
     @classmethod
@@ -157,6 +161,14 @@ class CompletionRequest(_Sampling):
 class TextPart(_Strict):
     type: Literal["text"]
     text: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _only_text(cls, v):
+        # An image part's own complaints (image_url not permitted, text missing) hid the one that matters
+        if isinstance(v, dict) and "type" in v and v["type"] != "text":
+            raise ValueError(f"only text content parts are supported, not type {short_repr(v['type'])}")
+        return v
 
     @field_validator("text")
     @classmethod
@@ -323,8 +335,12 @@ def validation_error(errors: list[dict]) -> RequestError:
     extra = err["type"] == "extra_forbidden"  # its last part is the unknown field the client sent
     loc = [p for i, p in enumerate(err["loc"]) if isinstance(p, int) or p in _FIELD_NAMES or (extra and i == len(err["loc"]) - 1)]
     param = ".".join(map(str, loc)) or None
-    members = [e["loc"][len(loc)] for e in errors if list(e["loc"][: len(loc)]) == loc and len(e["loc"]) > len(loc)]
+    under = [e for e in errors if list(e["loc"][: len(loc)]) == loc and len(e["loc"]) > len(loc)]
+    members = [e["loc"][len(loc)] for e in under]
     if param and len(members) > 1 and len(loc) < len(err["loc"]):
+        deep = max(under, key=lambda e: len(e["loc"]))  # the first of the deepest
+        if len(deep["loc"]) > len(loc) + 1:  # the value is of that member's type and fails inside it: say where
+            return validation_error([deep])
         kinds = dict.fromkeys(str(m).replace("constrained-int", "int >= 0") for m in members)
         # with the first member's own complaint: "int >= 0" alone hid num_speculative_tokens' upper bound
         return RequestError(f"{param}: must be one of {', '.join(kinds)} ({err['msg']})", param)

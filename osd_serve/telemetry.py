@@ -17,6 +17,12 @@ import warnings
 from collections import defaultdict, deque
 
 
+def _finite(v) -> bool:
+    """A number a row may hold: the guard keeps a NaN acceptance as its verdict's reason, and a NaN in
+    the history made every /admin/metrics answer a 500 (JSON has no NaN) until 500 rows pushed it out."""
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
 def _percentile(xs, q: float) -> float | None:
     if not xs:
         return None
@@ -106,7 +112,7 @@ class Telemetry:
         self.log_every_s = log_every_s
         self._lock = threading.Lock()
         self._win = defaultdict(lambda: defaultdict(float))  # expert -> sums since the last log
-        self._pos = defaultdict(lambda: [[0, 0] for _ in range(16)])  # expert -> [accepted, proposed] per position
+        self._pos = defaultdict(lambda: [[0, 0] for _ in range(16)])  # expert -> [accepted, tested] per position
         self._lat: deque[float] = deque(maxlen=2000)
         self._events: list[dict] = []
         self._last = time.monotonic()
@@ -153,9 +159,9 @@ class Telemetry:
             if (k := getattr(st, "auto_k", None)) is not None:  # the k "auto" chose (the disaggregated steps have none)
                 w["auto_steps"] += 1
                 w["auto_k"] += k
-            for j, (a, p) in enumerate(zip(st.accepted_per_position, st.proposed_per_position)):
+            for j, (a, t) in enumerate(zip(st.accepted_per_position, st.tested_per_position)):
                 self._pos[expert][j][0] += a
-                self._pos[expert][j][1] += p
+                self._pos[expert][j][1] += t
         if self.run is None:  # with a run the timer writes: a slow W&B service must not stall the engine's steps
             self.maybe_log()
 
@@ -198,16 +204,16 @@ class Telemetry:
                     row[f"batch_size/{e}"] = w["rows"] / w["steps"]
                 if w["auto_steps"]:
                     row[f"auto_k/{e}"] = w["auto_k"] / w["auto_steps"]
-                for j, (a, p) in enumerate(self._pos[e]):
-                    if p:
-                        row[f"alpha_pos/{e}/{j}"] = a / p
+                for j, (a, t) in enumerate(self._pos[e]):  # α at position j: accepted over tested there
+                    if t:
+                        row[f"alpha_pos/{e}/{j}"] = a / t
             lat = list(self._lat)
             if lat:
                 row["latency_p50_s"], row["latency_p99_s"] = _percentile(lat, 0.5), _percentile(lat, 0.99)
             # One row per event, before the window's row: merged into one row, a rollback to 0 and a
             # publish of 2 in the same window logged only version 2.
             rows = [{"time": ev["time"]} | {f"{k}/{ev['expert']}": v for k, v in ev.items()
-                                           if k not in ("expert", "time") and isinstance(v, (int, float))}
+                                           if k not in ("expert", "time") and _finite(v)}
                     for ev in self._events] + [row]
             self._win.clear()
             self._pos.clear()

@@ -32,3 +32,20 @@ def test_matched_k_drafting_is_exactly_k_and_restores_the_drafts_settings():
     with hf_drafting(draft, 3):
         assert (gc.num_assistant_tokens, gc.num_assistant_tokens_schedule, gc.assistant_confidence_threshold) == (3, "constant", 0.0)
     assert (gc.num_assistant_tokens, gc.num_assistant_tokens_schedule, gc.assistant_confidence_threshold) == (20, "heuristic", 0.4)
+
+
+def test_each_assisted_call_starts_from_the_drafts_own_settings():
+    """Under a "heuristic" schedule transformers writes a call's final num_assistant_tokens back into the
+    draft's config: (b) drafted by what the warm-up and earlier prompts left, and the report showed that."""
+    from osd_serve.bench_hf import hf_assisted_settings
+
+    tok = char_tokenizer()
+    target = llama(len(tok), seed=3)
+    draft = perturbed(target, 0.015)  # good enough that the heuristic grows the number it drafts
+    gc = draft.generation_config
+    gc.num_assistant_tokens, gc.num_assistant_tokens_schedule = 5, "heuristic"
+    before = hf_assisted_settings(draft)
+    ids = [tok.encode(p) for p in ("def f(x):", "a = 1")]
+    first = hf_generate(target, tok, ids, 24, 1, assistant=draft)
+    assert hf_assisted_settings(draft) == before and gc.num_assistant_tokens == 5
+    assert hf_generate(target, tok, ids, 24, 1, assistant=draft) == first

@@ -116,6 +116,10 @@ def test_step_stats_count_positions_and_emitted_tokens_exactly(models, tok, prom
     for s in stats:
         assert sum(s.accepted_per_position) == s.accepted and sum(s.proposed_per_position) == s.proposed
         assert all(a <= p for a, p in zip(s.accepted_per_position, s.proposed_per_position))
+        # a row tests its accepted drafts and the one rejected (if any): min(a + 1, k) positions
+        assert sum(s.tested_per_position) == s.accepted + s.rejected
+        assert all(a <= t <= p for a, t, p in zip(s.accepted_per_position, s.tested_per_position,
+                                                  s.proposed_per_position))
     assert sum(s.emitted for s in stats) == sum(len(o.token_ids) for o in outs)
     # Draft == target: nothing is ever rejected; and a stop string inside a step's 9 tokens cuts them.
     eng = SpecEngine(target, target, tok)

@@ -222,14 +222,14 @@ def test_readiness_reads_the_controllers_replica_count_one_call_at_a_time(monkey
     monkeypatch.setattr(app.serve, "status", serve_status)
     monkeypatch.setattr(app.Readiness, "REFRESH_S", 0.2)
     monkeypatch.setattr(app.Readiness, "GRACE_S", 1.0)
-    failed = (DeploymentStatus.DEPLOY_FAILED, "replica failed to start: OSError", {"STARTING": 1})
+    failed = (DeploymentStatus.DEPLOY_FAILED, "replica failed to start: Traceback ... /home/u/models/secret", {"STARTING": 1})
     healthy = (DeploymentStatus.HEALTHY, "", {"RUNNING": 2})
 
     async def answers():
         r = app.Readiness(["SpecServer"])
         now["status"] = status(SpecServer=failed)
-        with pytest.raises(RuntimeError, match=r"^SpecServer has no running replica \(DEPLOY_FAILED: replica failed to start"):
-            await r.check()  # the first check waits for the controller's answer
+        with pytest.raises(RuntimeError, match=r"^SpecServer has no running replica \(DEPLOY_FAILED; `serve status` says why\)$"):
+            await r.check()  # the first check waits for the controller's answer; /health needs no key: no traceback
         now["status"] = status(SpecServer=healthy)
         n = len(calls)
         for _ in range(10):  # within REFRESH_S of an answer: that answer, no new call
@@ -241,7 +241,7 @@ def test_readiness_reads_the_controllers_replica_count_one_call_at_a_time(monkey
         assert len(calls) == n + 1
         now["status"] = status(SpecServer=(DeploymentStatus.UNHEALTHY, "", {}))
         await asyncio.sleep(1.1)  # probes further apart than GRACE_S, the controller fine: no warning
-        with pytest.raises(RuntimeError, match=r"^SpecServer has no running replica \(UNHEALTHY\)$"):
+        with pytest.raises(RuntimeError, match=r"^SpecServer has no running replica \(UNHEALTHY; `serve status` says why\)$"):
             await r.check()
 
     asyncio.run(answers())

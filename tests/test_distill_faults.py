@@ -222,3 +222,28 @@ def test_a_publish_that_dies_mid_way_leaves_every_listed_version_loadable(tmp_pa
     assert not (tmp_path / "v000002").exists() and again.publish(st) == 2 and not list(tmp_path.glob(".tmp-v*"))
     (tmp_path / "v000005").mkdir()
     assert again.publish(st) == 6
+
+
+def test_a_failed_update_leaves_its_trigger_due_and_the_loop_backs_off(models, tok, monkeypatch):
+    """The trigger window closed before training: after a failed update (an OOM) the next one waited for
+    trigger_records new records, or never at low traffic. Retried at once instead, a fault that repeats
+    would train and fail every few seconds on the cores serving needs: the loop's waits double, to a cap."""
+    dist = _distiller(models, tok)
+    dist.buffer.cfg.trigger_records = 8
+    for s in dist.buffer.shards.values():
+        s.cfg = dist.buffer.cfg
+    dist.engine.generate(_prompts(len(tok), 16, 1), SP)
+    assert dist.due() == {"default": "size"}
+
+    def oom(records, steps=None, progress=False):
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    dist.trainer.train = oom
+    with pytest.raises(RuntimeError):
+        dist.update("default", "size")
+    assert dist.due() == {"default": "size"}  # still due: the loop retries it
+    waits, polls = [], iter([False] * 7)
+    monkeypatch.setattr(dist, "_stop", SimpleNamespace(is_set=lambda: next(polls, True), wait=waits.append))
+    monkeypatch.setattr(dist, "_wake", SimpleNamespace(wait=lambda timeout: None, clear=lambda: None))
+    dist._loop()
+    assert waits == [5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 300.0] and len(dist.updates) == 8

@@ -93,9 +93,12 @@ def test_the_buffer_actor_hands_over_guard_flags_and_restarts_the_trigger(plain_
     for i in range(4):
         plain_ray.add("sql", _rec("sql", heldout=i == 3), 100)
     assert plain_ray.due() == {"sql": "size"}
-    refs, flags = plain_ray.take("sql")
+    refs, flags, window = plain_ray.take("sql")
     assert [r.heldout for r in refs] == flags == [False, False, False, True]
     assert plain_ray.due() == {}  # a new trigger window: the controller does not train the same records again at once
+    plain_ray.rearm("sql", window)  # the job failed: the trigger is due again at once
+    assert plain_ray.due() == {"sql": "size"}
+    plain_ray.take("sql")
     assert plain_ray.stats() == {"sql": {"records": 4, "bytes": 400, "seen": 4}}
 
 
@@ -295,7 +298,8 @@ def test_connect_gives_the_actors_the_config(monkeypatch):
     dist.connect(cfg, app="llama")
     buffer_cfg = {"max_bytes": 3 * 1024 * 1024, "trigger_records": 5, "trigger_age_s": 7.5}
     args = ("org/draft", "/vs/llama", {"mode": "full", "lr": 0.01, "steps_per_update": 9}, 9, 6)  # the app's own versions
-    opts = {"namespace": dist.NAMESPACE, "get_if_exists": True, "lifetime": "detached"}
+    # restarted if they die: replicas keep handles to them, and records and heartbeats to a dead one were lost silently
+    opts = {"namespace": dist.NAMESPACE, "get_if_exists": True, "lifetime": "detached", "max_restarts": -1}
     names = dist.actor_names("llama")
     pair = ["org/target", "org/draft"]
     assert made == [("buffer", {"name": names[0], **opts}, (buffer_cfg, pair), {}),
@@ -333,3 +337,57 @@ def test_records_and_heartbeats_reach_the_actors(monkeypatch):
     dist.start_heartbeat(_actor(SimpleNamespace(heartbeat=lambda *a: beats.append(a))), "r1", load, every_s=0.01)
     assert done.wait(10)
     assert beats == [("r1", 2, 8), ("r1", 3, 8)]
+
+
+def test_a_failed_job_leaves_its_trigger_due_and_retries_back_off(plain_ray, monkeypatch, tmp_path, draft_dir):
+    """take() closed the trigger window before training: a job that failed (a worker OOM, the worker group
+    not starting) was retried only after trigger_records new records, or never at low traffic. Retried
+    at once instead, a fault that repeats trained and failed every poll: the waits double, to a cap."""
+    def oom():
+        raise RuntimeError("worker OOM")
+
+    ctrl, trains, _ = _controller(plain_ray, monkeypatch, tmp_path, draft_dir, during=oom)
+    _fill(plain_ray, 8, heldout=2)
+    waits, left = [], iter([False] * 8)
+    ctrl._stop = SimpleNamespace(is_set=lambda: next(left, True), wait=waits.append)
+    ctrl._loop(1.0)
+    assert len(trains) == 8 and plain_ray.due() == {"default": "size"}  # every poll's job had the trigger due
+    assert waits == [5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 300.0, 300.0]
+    assert [e["error"] for e in ctrl.history()] == ["RuntimeError('worker OOM')"] * 8
+
+
+def test_admin_experts_shows_the_controllers_jobs_json_safe(plain_ray, monkeypatch, tmp_path, draft_dir):
+    """With distill.backend ray_train, /admin/experts showed updates 0 and last_error null whatever the
+    controller did: a controller whose every job failed looked idle. Its report is the last jobs, with a
+    guard's NaN score as null (JSON has none), and a controller that does not answer is said, not a 500."""
+    import asyncio
+    import json
+
+    from deployments.app import SpecServer
+
+    ctrl, _, _ = _controller(plain_ray, monkeypatch, tmp_path, draft_dir)
+    ctrl.events.extend([{"error": "RuntimeError('worker OOM')", "time": 1.0}] * 11)
+    ctrl.events.append({"expert": "default", "published": False, "candidate": {"expected_acceptance": float("nan")}})
+    report = ctrl.report()
+    assert report["state"] == "idle" and len(report["jobs"]) == 10
+    assert report["jobs"][-1]["candidate"] == {"expected_acceptance": None}
+    json.dumps(report, allow_nan=False)
+
+    async def answer():
+        return ctrl.report()
+
+    async def experts():
+        return {"experts": {"default": {"updates": 0}}}
+
+    server = object.__new__(SpecServer.func_or_class)
+    server.service = SimpleNamespace(admin_experts=experts)
+    server.controller = SimpleNamespace(report=SimpleNamespace(remote=answer))
+    out = asyncio.run(server.admin("experts"))
+    assert out["distill_controller"] == report and out["experts"] == {"default": {"updates": 0}}
+
+    async def gone():
+        raise RuntimeError("The actor died unexpectedly before finishing this task.")
+
+    server.controller = SimpleNamespace(report=SimpleNamespace(remote=gone))
+    assert asyncio.run(server.admin("experts"))["distill_controller"] == {
+        "error": "the distill controller did not answer (RuntimeError)"}

@@ -95,7 +95,7 @@ def test_buffer_actor_keeps_refs_bounded_by_bytes(cluster, data):
     st = ray.get(buf.stats.remote())["default"]
     assert st["bytes"] <= cap and st["seen"] == 8 and st["records"] < 8
     assert ray.get(buf.due.remote()) == {"default": "size"}
-    refs, _ = ray.get(buf.take.remote("default"))
+    refs, _, _ = ray.get(buf.take.remote("default"))
     got = ray.get(refs)
     assert [g.response_ids.tolist() for g in got] == [r.response_ids.tolist() for r in train[8 - len(got) : 8]]  # FIFO
     assert ray.get(buf.due.remote()) == {}

@@ -199,3 +199,31 @@ def test_a_chat_template_that_refuses_the_messages_is_a_value_error_naming_messa
     with pytest.raises(ValueError, match="^messages: the model's chat template refused them: .*roles must alternate"):
         render_chat([{"role": "assistant", "content": "hi"}], tok)
     assert tok.decode(render_chat([{"role": "user", "content": "hi"}], tok)) == "x"
+
+
+@pytest.mark.parametrize("body,param,says", [
+    ({"prompt": [5, -1]}, "prompt.1", "greater than or equal to 0"),
+    ({"prompt": ["x", 5]}, "prompt.0", "valid integer"),  # a list prompt is token ids
+    ({"prompt": ["x", "y"]}, "prompt", "a batch of 2 prompts is not supported"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages.0.content.0", "only text content parts are supported, not type 'image_url'"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "cache_control": {}}]}]},
+     "messages.0.content.0.cache_control", "Extra inputs are not permitted"),
+    ({"prompt": 5}, "prompt", "must be one of str, list[int >= 0]"),  # of no member's type: the members listed
+])
+def test_a_bad_value_inside_a_union_field_is_named_where_it_is(body, param, says):
+    """The first member's complaint was quoted whatever was sent: a list prompt with a negative id, or an
+    image part, read "prompt: must be one of str, ... (Input should be a valid string)"."""
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    r = _post(_client(Scripted()), path, body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert says in r.json()["error"]["message"], r.text
+
+
+def test_an_unknown_model_or_expert_is_not_echoed_whole():
+    """A 500,000-character model name came back in a 500 KB 404 (config errors cut echoes at 200)."""
+    c = _client(Scripted())
+    for field, status in (("model", 404), ("expert", 400)):
+        r = _post(c, "/v1/completions", {"prompt": "x", field: "m" * 500_000})
+        assert r.status_code == status and r.json()["error"]["param"] == field, r.text
+        assert len(r.content) < 1000 and "(500002 characters)" in r.json()["error"]["message"]

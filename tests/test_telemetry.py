@@ -162,7 +162,7 @@ def test_a_dead_wandb_service_does_not_fail_steps_or_shutdown():
 
     class Step:
         proposed, accepted, rejected, emitted, batch_size = 4, 2, 1, 3, 1
-        accepted_per_position, proposed_per_position = [1, 1], [1, 1]
+        accepted_per_position, proposed_per_position, tested_per_position = [1, 1], [1, 1], [1, 1]
 
     t = Telemetry("disabled", log_every_s=0.0)
     t.run = dead = DeadRun()
@@ -196,13 +196,13 @@ def test_each_window_starts_empty_and_p99_is_not_the_maximum():
     t = Telemetry("disabled", log_every_s=3600.0)
     for i in range(1, 101):
         t.on_request("default", float(i), "stop")
-    t.on_step("default", StepStats(1, 2, 1, 1, [1, 0], [1, 1], 2, 0.0, 0.0, 0.0, None))
+    t.on_step("default", StepStats(1, 2, 1, 1, [1, 0], [1, 1], 2, 0.0, 0.0, 0.0, None, [1, 1]))
     row = t.maybe_log(force=True)
     assert (row["latency_p50_s"], row["latency_p99_s"]) == (50.0, 99.0), row
     assert row["alpha_pos/default/0"] == 1.0 and row["alpha_pos/default/1"] == 0.0, row
     row = t.maybe_log(force=True)
     assert not any(k.startswith(("latency", "alpha")) for k in row), row
-    t.on_step("default", StepStats(1, 1, 0, 1, [0], [1], 1, 0.0, 0.0, 0.0, None))  # the next window's own step
+    t.on_step("default", StepStats(1, 1, 0, 1, [0], [1], 1, 0.0, 0.0, 0.0, None, [1]))  # the next window's own step
     row = t.maybe_log(force=True)
     assert row["alpha_pos/default/0"] == 0.0 and "alpha_pos/default/1" not in row, row
     t.close()
@@ -222,4 +222,37 @@ def test_prometheus_is_a_no_op_outside_ray():
     t.on_request("default", 0.5, "stop")
     row = t.maybe_log(force=True)
     assert row["alpha/default"] == 1.0 and row["latency_p50_s"] == 0.5 and not ray.is_initialized()
+    t.close()
+
+
+def test_per_position_alpha_is_accepted_over_tested():
+    """alpha_pos/<e>/<j> was accepted / proposed: a draft after a rejection counted as rejected though
+    never tested, so positions past 0 read about α^(j+1), not α. Here one row accepts all 4 drafts and
+    one is rejected at position 0: positions 1-3 were tested once and accepted."""
+    from osd_serve.disagg import Sampling, TargetVerifier, Verdict, VerifyItem
+
+    items = [VerifyItem(f"s{i}", [1], [5, 6, 7, 8], None, Sampling()) for i in range(2)]
+    verdicts = [Verdict([5, 6, 7, 8, 9], 4, 0), Verdict([3], 0, 0)]
+    st = TargetVerifier._stats(items, verdicts, 0.0)["default"]  # the disaggregated topology's counts
+    assert st.tested_per_position == [2, 1, 1, 1] and st.proposed_per_position == [2, 2, 2, 2]
+    t = Telemetry("disabled", log_every_s=3600.0)
+    t.on_step("default", st)
+    row = t.maybe_log(force=True)
+    assert row["alpha/default"] == 0.8
+    assert [row[f"alpha_pos/default/{j}"] for j in range(4)] == [0.5, 1.0, 1.0, 1.0]
+    t.close()
+
+
+def test_a_nan_event_value_is_left_out_of_the_rows():
+    """The guard's NaN-acceptance verdict keeps expected_acceptance = nan: logged as heldout_alpha_hat, it
+    made /admin/metrics' JSON (no NaN there) answer 500 until 500 newer rows pushed it out."""
+    import json
+
+    t = Telemetry("disabled", log_every_s=3600.0)
+    t.on_event("default", version=None, published=0, loss=0.3, heldout_alpha_hat=float("nan"), worst=float("-inf"))
+    t.maybe_log(force=True)
+    event = t.recent()[0]
+    assert event["loss/default"] == 0.3 and event["published/default"] == 0
+    assert "heldout_alpha_hat/default" not in event and "worst/default" not in event
+    json.dumps(t.recent(), allow_nan=False)  # what the route's encoder does
     t.close()

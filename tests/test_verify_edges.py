@@ -153,3 +153,16 @@ def test_a_narrower_draft_never_proposes_ids_it_lacks(temperature, top_k, top_p)
     assert int(picks.max()) < narrow
     # and a draft wider than the target is cut to the target's ids
     assert torch.equal(fit_vocab(raw, narrow - 8), raw[..., : narrow - 8])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_the_reference_and_the_kernel_verify_in_float32_whatever_the_dtype(impl, dtype):
+    """The Triton wrapper casts p and q to float32; the reference kept float16's rounding in the residual
+    (p - q) and so, for one uniform, sampled another token than the kernel from the same inputs."""
+    p = torch.tensor([0.4, 0.4, 0.2])  # [V]
+    q = torch.tensor([0.0003, 0.0001, 0.9996])  # [V]
+    target, draft = torch.stack([p, p])[None].to(dtype), q[None, None].to(dtype)  # [1, 2, V], [1, 1, V]
+    u = torch.tensor([[0.9, 0.49986114448455893]], dtype=torch.float64)  # between float16's and float32's boundaries
+    args = torch.tensor([[2]]), torch.tensor([1]), u
+    assert run(impl, target, draft, *args)[0].tolist() == run(impl, target.float(), draft.float(), *args)[0].tolist()

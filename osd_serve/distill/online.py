@@ -102,18 +102,19 @@ class OnlineDistiller:
         An update that raises (an admin call as well as the background loop's) leaves the student at
         the last published weights and is recorded in ``error`` and ``updates``, then re-raises."""
         with self._update_lock:
+            with self._lock:
+                shard = self.buffer.shard(expert)
+                records, window = list(shard.records), shard.mark_updated()
             try:
-                return self._update(expert, trigger)
+                return self._update(expert, trigger, records)
             except Exception as e:
+                with self._lock:
+                    shard.rearm(window)
                 self._failed(expert, trigger, e)
                 raise
 
-    def _update(self, expert: str, trigger: str) -> UpdateResult | None:
+    def _update(self, expert: str, trigger: str, records: list) -> UpdateResult | None:
         t0 = time.perf_counter()
-        with self._lock:
-            shard = self.buffer.shard(expert)
-            records = list(shard.records)
-            shard.mark_updated()
         split = split_for_guard([r.heldout for r in records], self.guard)
         if split is None:
             return None
@@ -177,16 +178,21 @@ class OnlineDistiller:
         self._thread.start()
 
     def _loop(self) -> None:
+        retry = self.RETRY_S
         while not self._stop.is_set():
             self._wake.wait(timeout=0.5)  # the timeout lets age triggers fire without traffic
             self._wake.clear()
             for expert, why in self.due().items():
                 try:
                     self.update(expert, why)
+                    retry = self.RETRY_S
                 except Exception:  # noqa: BLE001  one failed update (OOM, full disk) must not end distillation;
-                    self._stop.wait(self.RETRY_S)  # update() recorded it. A fault that repeats must not spin
+                    # update() recorded it and left the trigger due. A fault that repeats must not spin,
+                    # nor take the cores serving needs every few seconds: each retry waits twice as long.
+                    self._stop.wait(retry)
+                    retry = min(2 * retry, self.RETRY_MAX_S)
 
-    RETRY_S = 5.0
+    RETRY_S, RETRY_MAX_S = 5.0, 300.0
 
     def _failed(self, expert: str, trigger: str, e: Exception) -> None:
         """Serving goes on with the last good draft; the student restarts from it, not from a

@@ -154,8 +154,19 @@ class Shard:
             return "age"
         return None
 
-    def mark_updated(self) -> None:
+    def mark_updated(self) -> tuple[int, float | None]:
+        """Start a new trigger window; returns the one it closed (for rearm)."""
+        window = self.new_since_update, self.oldest_new
         self.new_since_update, self.oldest_new = 0, None
+        return window
+
+    def rearm(self, window: tuple[int, float | None]) -> None:
+        """Put back a window whose update failed: its records still count toward the trigger, and the
+        update is retried, not left until as many new records (or the age trigger's wait) again."""
+        n, oldest = window
+        self.new_since_update += n
+        if oldest is not None:
+            self.oldest_new = oldest if self.oldest_new is None else min(self.oldest_new, oldest)
 
 
 class ReplayBuffer:
