@@ -48,18 +48,22 @@ class _Prometheus:
         self.draft = metrics.Counter("spec_decode_num_draft_tokens", "draft tokens proposed", tag_keys=tags)
         self.accepted = metrics.Counter("spec_decode_num_accepted_tokens", "draft tokens accepted", tag_keys=tags)
         self.emitted = metrics.Counter("spec_decode_num_emitted_tokens", "tokens emitted", tag_keys=tags)
+        # The gauges below hold their last window once traffic stops, and averaging ratios over replicas is
+        # wrong: rate(accepted) / rate(tested) over any range and any replicas is α, from counters.
+        self.tested = metrics.Counter("osd_tested_draft_tokens", "draft tokens tested (accepted or rejected)", tag_keys=tags)
         # vLLM's rate is accepted / proposed; alpha, what the speedup formula takes, is accepted / tested
         # (a draft token after a rejection is never tested).
         self.rate = metrics.Gauge("spec_decode_draft_acceptance_rate", "accepted / proposed, last window", tag_keys=tags)
         self.alpha = metrics.Gauge("osd_alpha", "accepted / tested draft tokens, last window", tag_keys=tags)
         self.version = metrics.Gauge("osd_draft_version", "draft version serving", tag_keys=tags)
-        self.latency = metrics.Histogram("osd_request_latency_s", "request latency", boundaries=[0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30],
+        self.latency = metrics.Histogram("osd_request_latency_s", "request latency", boundaries=[0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300],
                                          tag_keys=tags)
 
     def step(self, expert: str, st) -> None:
         if self.ok:
             t = {"expert": expert}
-            for counter, v in ((self.draft, st.proposed), (self.accepted, st.accepted), (self.emitted, st.emitted)):
+            for counter, v in ((self.draft, st.proposed), (self.accepted, st.accepted), (self.emitted, st.emitted),
+                               (self.tested, st.accepted + st.rejected)):
                 if v > 0:  # Ray counters refuse inc(0)
                     counter.inc(v, tags=t)
 

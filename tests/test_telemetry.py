@@ -256,3 +256,24 @@ def test_a_nan_event_value_is_left_out_of_the_rows():
     assert "heldout_alpha_hat/default" not in event and "worst/default" not in event
     json.dumps(t.recent(), allow_nan=False)  # what the route's encoder does
     t.close()
+
+
+def test_prometheus_counts_tested_tokens_so_alpha_needs_no_gauge():
+    """osd_alpha is a gauge of the last window: it stays put once traffic stops, and averaging it over
+    replicas is wrong. The tested counter makes rate(accepted) / rate(tested) the α of any range."""
+    from types import SimpleNamespace
+
+    from osd_serve.engine import StepStats
+    from osd_serve.telemetry import _Prometheus
+
+    counts = {}
+
+    def counter(name):
+        return SimpleNamespace(inc=lambda v, tags: counts.__setitem__((name, tags["expert"]), counts.get((name, tags["expert"]), 0) + v))
+
+    prom = object.__new__(_Prometheus)
+    prom.ok = True
+    prom.draft, prom.accepted, prom.emitted, prom.tested = map(counter, ("draft", "accepted", "emitted", "tested"))
+    prom.step("sql", StepStats(2, 8, 4, 1, [1, 1, 1, 1], [2, 2, 2, 2], 6, 0.0, 0.0, 0.0, None, [2, 1, 1, 1]))
+    prom.step("sql", StepStats(1, 3, 3, 0, [1, 1, 1], [1, 1, 1], 4, 0.0, 0.0, 0.0, None, [1, 1, 1]))
+    assert counts == {("draft", "sql"): 11, ("accepted", "sql"): 7, ("emitted", "sql"): 10, ("tested", "sql"): 8}
