@@ -26,7 +26,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import socket
 import sys
 import tempfile
@@ -37,7 +36,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .cache_dir import build_lock, umask as _umask
+from .cache_dir import build_lock, remove_tree, share_tree
 
 # Bumped whenever the recipe changes so stale caches are rebuilt rather than trusted.
 BUILD_VERSION = 3
@@ -299,16 +298,6 @@ def _ours(d: Path) -> bool:
     return bool(re.match(rf"\.tmp-(?:{names})-", d.name)) and ((d / "PID").is_file() or (d / "build.json").is_file())
 
 
-def _remove(d: Path) -> None:
-    """rmtree, with the files that make a temp dir ours (_ours) going last: a removal cut short (a second
-    Ctrl-C) then leaves a directory the next sweep still claims, not ~130 MB no sweep ever touches."""
-    with contextlib.suppress(OSError):
-        for p in d.iterdir():
-            if p.name not in ("PID", "build.json"):
-                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
-    shutil.rmtree(d, ignore_errors=True)
-
-
 def _sweep_stale_tmp(root: Path, foreign_after_s: float = 86400.0) -> None:
     """Delete temp dirs left by killed builds (up to ~130 MB each): their process is gone.
 
@@ -335,7 +324,7 @@ def _sweep_stale_tmp(root: Path, foreign_after_s: float = 86400.0) -> None:
         except (OSError, ValueError):  # no PID file: a build between its last two writes, or moved aside
             if age < 3600:
                 continue
-        _remove(d)
+        remove_tree(d)
 
 
 @contextlib.contextmanager
@@ -408,7 +397,7 @@ def _build_and_publish(root: Path, final: Path, data_files: list[str] | None, cf
         (tmp / "PID").write_text(_owner())
         with _all_cores():
             info = _build_into(tmp, data_files, cfg, preset)
-        _share(tmp)
+        share_tree(tmp)
         (tmp / "build.json").write_text(json.dumps(info, indent=2))
         (tmp / "PID").unlink()
         (tmp / COMPLETE_MARKER).write_text("ok\n")  # last: its presence means everything else is
@@ -427,20 +416,9 @@ def _build_and_publish(root: Path, final: Path, data_files: list[str] | None, cf
         if old.is_symlink():  # an alias of another build (_alias): only the link goes
             old.unlink()
         else:
-            _remove(old)
+            remove_tree(old)
     finally:
-        _remove(tmp)
-
-
-def _share(tree: Path) -> None:
-    """Give the tree the umask's modes before it is published: mkdtemp's 0700 would stay after the rename,
-    and safetensors writes weights 0600 whatever the umask, so in a shared cache other users could read
-    a build's configs and tokenizer but not its weights."""
-    mask = _umask()
-    for d, _, names in os.walk(tree):
-        os.chmod(d, 0o777 & ~mask)
-        for n in names:
-            os.chmod(os.path.join(d, n), 0o666 & ~mask)
+        remove_tree(tmp)
 
 
 def _build_into(out: Path, data_files: list[str] | None, cfg: PairConfig, preset: str) -> dict:

@@ -1,10 +1,11 @@
-"""The bootstrap cache directory's file-system helpers: the umask a build's directory gets, and the lock
-that keeps two builds of one cache from training side by side."""
+"""The bootstrap cache directory's file-system helpers: the umask a build's files get, removing a build's
+temp dir, and the lock that keeps two builds of one cache from training side by side."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -50,3 +51,24 @@ def build_lock(root: Path):
         yield
     finally:
         os.close(fd)
+
+
+def share_tree(tree: Path) -> None:
+    """Give the tree the umask's modes before it is published: mkdtemp's 0700 would stay after the rename,
+    and safetensors writes weights 0600 whatever the umask, so in a shared cache other users could read
+    a build's configs and tokenizer but not its weights."""
+    mask = umask()
+    for d, _, names in os.walk(tree):
+        os.chmod(d, 0o777 & ~mask)
+        for n in names:
+            os.chmod(os.path.join(d, n), 0o666 & ~mask)
+
+
+def remove_tree(d: Path) -> None:
+    """rmtree, with the files that make a temp dir a build's (bootstrap._ours) going last: a removal cut short (a second
+    Ctrl-C) then leaves a directory the next sweep still claims, not ~130 MB no sweep ever touches."""
+    with contextlib.suppress(OSError):
+        for p in d.iterdir():
+            if p.name not in ("PID", "build.json"):
+                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+    shutil.rmtree(d, ignore_errors=True)

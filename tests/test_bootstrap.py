@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from osd_serve import bootstrap
+from osd_serve import bootstrap, cache_dir
 from osd_serve.bootstrap import build_pair
 from osd_serve import corpus
 from osd_serve.corpus import load_corpus, read_documents, record_text
@@ -228,7 +228,7 @@ def test_build_from_data_files(tmp_path):
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(tmp_path)
         assert build_pair(files, out_root="out", preset="tiny") == paths and os.path.isabs(paths["target"])
-    assert os.stat(os.path.dirname(paths["target"])).st_mode & 0o777 == 0o777 & ~bootstrap._umask()
+    assert os.stat(os.path.dirname(paths["target"])).st_mode & 0o777 == 0o777 & ~cache_dir.umask()
     # Different data files are a different cache entry.
     assert bootstrap._cache_name(files[:1], "tiny", bootstrap.PRESETS["tiny"]) != os.path.basename(
         os.path.dirname(paths["target"]))

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from osd_serve import bootstrap, corpus
+from osd_serve import bootstrap, cache_dir, corpus
 from osd_serve.bootstrap import build_pair
 from tests.test_bootstrap import _fake_build
 from tests.test_bootstrap_mutants import TINY, _counting_build, _jsonl
@@ -113,15 +113,15 @@ def test_a_removal_cut_short_leaves_a_temp_dir_the_next_sweep_claims(tmp_path, m
     (d / "target" / "model.safetensors").write_bytes(b"0" * 1000)
     (d / "PID").write_text(f"{bootstrap.socket.gethostname()} 999999999")
     (d / "build.json").write_text("{}")
-    real = bootstrap.shutil.rmtree
+    real = cache_dir.shutil.rmtree
 
     def interrupted(path, *a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(bootstrap.shutil, "rmtree", interrupted)
+    monkeypatch.setattr(cache_dir.shutil, "rmtree", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        bootstrap._remove(d)
+        cache_dir.remove_tree(d)
     assert bootstrap._ours(d)
-    monkeypatch.setattr(bootstrap.shutil, "rmtree", real)
+    monkeypatch.setattr(cache_dir.shutil, "rmtree", real)
     bootstrap._sweep_stale_tmp(tmp_path)  # its process is gone
     assert not d.exists()
