@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .cache_dir import build_lock, remove_tree, share_tree
+from .cache_dir import build_lock, remove_tree, share_tree, sync_tree
 
 # Bumped whenever the recipe changes so stale caches are rebuilt rather than trusted.
 BUILD_VERSION = 3
@@ -401,6 +401,7 @@ def _build_and_publish(root: Path, final: Path, data_files: list[str] | None, cf
         (tmp / "build.json").write_text(json.dumps(info, indent=2))
         (tmp / "PID").unlink()
         (tmp / COMPLETE_MARKER).write_text("ok\n")  # last: its presence means everything else is
+        sync_tree(tmp)  # on disk before the rename: after a power cut, a marked build with empty weights was served for good
         if not force and _is_complete(final, cfg):
             return  # a concurrent build of the same inputs finished first; as good as ours
         # Renames only, so a finished build is never half deleted in place: the old one moves aside
@@ -410,6 +411,7 @@ def _build_and_publish(root: Path, final: Path, data_files: list[str] | None, cf
             os.replace(final, old)
         try:
             os.replace(tmp, final)
+            sync_tree(root, recurse=False)  # the rename itself
         except OSError:
             if not _is_complete(final, cfg):  # another build won the rename in between: keep it
                 raise

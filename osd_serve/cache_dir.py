@@ -72,3 +72,16 @@ def remove_tree(d: Path) -> None:
             if p.name not in ("PID", "build.json"):
                 shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
     shutil.rmtree(d, ignore_errors=True)
+
+
+def sync_tree(tree: Path, recurse: bool = True) -> None:
+    """fsync every file and directory under tree (with recurse=False: tree itself, as after a rename in it).
+    Without it the file system may keep a rename and lose the renamed files' data in a power cut."""
+    for d, _, names in os.walk(tree) if recurse else [(str(tree), [], [])]:
+        for path in [os.path.join(d, n) for n in names] + [d]:
+            with contextlib.suppress(OSError):  # a file system that cannot fsync a directory: best effort
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)

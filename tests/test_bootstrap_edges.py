@@ -125,3 +125,17 @@ def test_a_removal_cut_short_leaves_a_temp_dir_the_next_sweep_claims(tmp_path, m
     monkeypatch.setattr(cache_dir.shutil, "rmtree", real)
     bootstrap._sweep_stale_tmp(tmp_path)  # its process is gone
     assert not d.exists()
+
+
+def test_a_build_is_on_disk_before_its_rename_and_the_rename_after(tmp_path, monkeypatch):
+    """Nothing was fsynced: after a power cut the file system could keep the rename and the marker but lose
+    the weights, and the empty build was a cache hit for good."""
+    monkeypatch.setattr(bootstrap, "_build_into", _fake_build)
+    synced, renamed = [], []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd)))
+    monkeypatch.setattr(bootstrap.os, "replace", lambda a, b: (renamed.append((str(a), len(synced))), real_replace(a, b)))
+    build_pair(out_root=str(tmp_path), preset="tiny")
+    [(tmp, before)] = renamed
+    assert tmp + "/" + bootstrap.COMPLETE_MARKER in synced[:before] and tmp + "/target" in synced[:before]
+    assert synced[before:] == [str(tmp_path)]  # the directory holding the rename
