@@ -312,7 +312,12 @@ class DisaggBackend:
         return [e.name for e in self.cfg.experts]
 
     async def ready(self) -> str | None:
-        await self._ensure_ready()  # /health sets up too: a load balancer sends nothing before it reads ready
+        try:
+            await self._ensure_ready()  # /health sets up too: a load balancer sends nothing before it reads ready
+        except Exception as e:  # noqa: BLE001
+            # /health needs no key: a load's message names model paths and hosts. The log keeps it.
+            logging.getLogger(__name__).warning("router set-up failed: %r", e)
+            raise RuntimeError(f"the router's set-up failed ({type(e).__name__}); its log says why") from None
         if self._readiness is None:  # made in the replica: a thread pool does not pickle
             self._readiness = Readiness(["DraftPool", "Verifier"])
         return await self._readiness.check()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import logging
 import math
 import os
@@ -29,7 +30,7 @@ from pathlib import Path
 import ray
 
 from osd_serve.distill.guard import retire_guard_samples
-from osd_serve.distill.replay import BufferConfig, ReplayBuffer
+from osd_serve.distill.replay import Backoff, BufferConfig, ReplayBuffer
 
 logger = logging.getLogger("ray.serve")
 BUFFER_NAME, CONTROLLER_NAME, NAMESPACE = "osd-replay-buffer", "osd-distill-controller", "osd-serve"
@@ -53,7 +54,9 @@ class ReplayBufferActor:
 
     def __init__(self, cfg: dict, pair: list[str] | None = None):
         self.buffer = ReplayBuffer(BufferConfig(**cfg))
-        self.pair = pair
+        # Restarted (max_restarts), __init__ gets its creation's pair: after a redeploy onto another pair it
+        # would refuse every record of the pair now served, silently (records are fire and forget).
+        self.pair = None if _restarted() else pair
 
     def configure(self, cfg: dict, pair: list[str] | None = None) -> None:
         """The actor is detached and outlives the app: a redeploy brings its config here, and a
@@ -197,21 +200,46 @@ class DistillController:
 
     def __init__(self, draft_path: str, versions_dir: str, train_cfg: dict, steps: int, max_workers: int = 4,
                  heldout: int = 16, poll_s: float = 1.0, keep_versions: int = 5, buffer_name: str = BUFFER_NAME):
-        self.configure(draft_path, versions_dir, train_cfg, steps, max_workers, heldout, keep_versions)
+        restarted = _restarted()  # with its creation's arguments: the last configure() saved the current ones
+        self.configure(draft_path, versions_dir, train_cfg, steps, max_workers, heldout, keep_versions, save=not restarted)
+        if restarted:
+            self._load_settings()
         self.buffer = ray.get_actor(buffer_name, namespace=NAMESPACE)
         self.load: dict[str, tuple[float, float, float]] = {}  # replica -> (ongoing, capacity, time), from heartbeats
         self.events: collections.deque[dict] = collections.deque(maxlen=self.MAX_EVENTS)
         self.state = "idle"
+        self.backoff = Backoff(self.RETRY_S, self.RETRY_MAX_S)
         self._stop = threading.Event()
         threading.Thread(target=self._loop, args=(poll_s,), daemon=True).start()
 
     def configure(self, draft_path: str, versions_dir: str, train_cfg: dict, steps: int, max_workers: int = 4,
-                  heldout: int = 16, keep_versions: int = 5) -> None:
+                  heldout: int = 16, keep_versions: int = 5, save: bool = True) -> None:
         """The actor is detached and outlives the app: a redeploy brings its config here. One
         assignment, read once per job (``_update``), so a running job keeps the settings it started with."""
         self.settings = {"draft_path": draft_path, "versions_dir": Path(os.path.expanduser(versions_dir)),
                          "train_cfg": train_cfg, "steps": steps, "max_workers": max_workers, "heldout": heldout,
                          "keep_versions": keep_versions}
+        if save:
+            self._save_settings()
+
+    def _save_settings(self) -> None:
+        try:  # what a restart (max_restarts) reads back, as __init__ then gets its creation's arguments
+            path = self.settings["versions_dir"] / SETTINGS_FILE
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{SETTINGS_FILE}.{os.getpid()}")
+            tmp.write_text(json.dumps({**self.settings, "versions_dir": str(self.settings["versions_dir"])}))
+            os.replace(tmp, path)
+        except OSError as e:
+            logger.warning("distill controller: its settings could not be saved for a restart (%s)", e)
+
+    def _load_settings(self) -> None:
+        path = self.settings["versions_dir"] / SETTINGS_FILE
+        try:
+            saved = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            logger.warning("distill controller restarted with its creation's settings: %s unreadable (%s)", path, e)
+            return
+        self.configure(**saved)
 
     def heartbeat(self, replica: str, ongoing: float, capacity: float) -> None:
         self.load[replica] = (ongoing, capacity, time.monotonic())
@@ -238,26 +266,30 @@ class DistillController:
     RETRY_S, RETRY_MAX_S = 5.0, 300.0
 
     def _loop(self, poll_s: float) -> None:
-        wait = poll_s
+        backoff = self.backoff
         while not self._stop.is_set():
             try:
-                for expert, why in ray.get(self.buffer.due.remote()).items():
-                    plan = plan_workers(idle_per_node(), self.serve_load(), self.settings["max_workers"])
-                    if plan is None:
-                        continue  # no spare capacity: the trigger stays due, retried next poll
-                    self.state = f"training {expert} on {plan}"
-                    try:
-                        self.events.append(self._update(expert, why, plan))
-                    finally:
-                        self.state = "idle"
-                wait = poll_s
-            except Exception as e:  # noqa: BLE001  the controller outlives one failed job
+                due = ray.get(self.buffer.due.remote())
+            except Exception as e:  # noqa: BLE001  the buffer restarting: asked again next poll
                 self.events.append({"error": repr(e), "time": time.time()})
                 logger.warning("distill controller: %r", e)
-                # The failed job's trigger stays due (rearm): a fault that repeats (OOM) must not train
-                # and fail every poll on the cores serving needs; each retry waits twice as long.
-                wait = min(max(2 * wait, self.RETRY_S), self.RETRY_MAX_S)
-            self._stop.wait(wait)
+                due = {}
+            for expert, why in due.items():
+                if not backoff.ready(expert):
+                    continue  # its job failed lately; its trigger stays due (rearm)
+                plan = plan_workers(idle_per_node(), self.serve_load(), self.settings["max_workers"])
+                if plan is None:
+                    continue  # no spare capacity: the trigger stays due, retried next poll
+                self.state = f"training {expert} on {plan}"
+                try:
+                    self.events.append(self._update(expert, why, plan))
+                    backoff.succeeded(expert)
+                except Exception as e:  # noqa: BLE001  the controller outlives one failed job
+                    self.events.append({"expert": expert, "error": repr(e), "time": time.time()})
+                    logger.warning("distill controller: %s: %r (retried in %.0f s)", expert, e, backoff.failed(expert))
+                finally:
+                    self.state = "idle"
+            self._stop.wait(poll_s)
 
     def _update(self, expert: str, why: str, plan: dict) -> dict:
         refs, flags, window = ray.get(self.buffer.take.remote(expert))
@@ -316,6 +348,18 @@ class DistillController:
                 "seconds": time.time() - t0}
 
 
+SETTINGS_FILE = "controller.json"
+
+
+def _restarted() -> bool:
+    """Whether this actor is a restart (max_restarts) of one that died."""
+    try:
+        ctx = ray.get_runtime_context()
+        return ctx.get_actor_id() is not None and bool(ctx.was_current_actor_reconstructed)
+    except Exception:  # noqa: BLE001  not in an actor (tests build the classes plain)
+        return False
+
+
 def _json_safe(obj):
     """obj with every non-finite float as None (JSON has no NaN: the route's encoder answered 500)."""
     if isinstance(obj, float):
@@ -336,9 +380,17 @@ async def controller_report(controller=None) -> dict:
 
             name = actor_names(replica_app() or "default")[1]
             controller = await asyncio.to_thread(ray.get_actor, name, namespace=NAMESPACE)
-        return await controller.report.remote()
+        # bounded: a controller restarting (or pending resources) would hold /admin/experts for as long
+        return await asyncio.wait_for(_awaitable(controller.report.remote()), REPORT_TIMEOUT_S)
     except Exception as e:  # noqa: BLE001
         return {"error": f"the distill controller did not answer ({type(e).__name__})"}
+
+
+REPORT_TIMEOUT_S = 5.0
+
+
+async def _awaitable(ref):
+    return await ref  # wait_for wants a coroutine or future; an ObjectRef is only awaitable
 
 
 def actor_names(app: str) -> tuple[str, str]:

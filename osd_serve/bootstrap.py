@@ -40,6 +40,9 @@ from .cache_dir import build_lock, remove_tree, share_tree, sync_tree
 
 # Bumped whenever the recipe changes so stale caches are rebuilt rather than trusted.
 BUILD_VERSION = 3
+# Bumped when only how --data files become documents changes (2: chat records' turns, repeated held-out
+# records kept out of training): builds from data are rebuilt, the default pair's cache stays good.
+DATA_RECIPE = 2
 COMPLETE_MARKER = "COMPLETE"
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 
@@ -212,7 +215,8 @@ def _default_root() -> Path:
 def _cache_name(data_files: list[str] | None, preset: str, cfg: PairConfig) -> str:
     if not data_files:
         return "default-pair" if preset == "default" else f"{preset}-pair"
-    h = hashlib.sha256(json.dumps({"version": BUILD_VERSION, "config": asdict(cfg)}, sort_keys=True).encode())
+    h = hashlib.sha256(json.dumps({"version": BUILD_VERSION, "data_recipe": DATA_RECIPE, "config": asdict(cfg)},
+                                  sort_keys=True).encode())
     for p in data_files:
         # Path, size and modification time (not content) keep the key cheap for multi-GB files.
         st = os.stat(p)
@@ -280,6 +284,7 @@ def _build_info(d: Path, cfg: PairConfig) -> dict | None:
         return None
     # A preset edited since the build (or an older recipe) must not be served from cache.
     ok = info.get("version") == BUILD_VERSION and info.get("config") == json.loads(json.dumps(asdict(cfg)))
+    ok = ok and (not info.get("data_files") or info.get("data_recipe", 1) == DATA_RECIPE)
     return info if ok else None
 
 
@@ -478,7 +483,7 @@ def _build_into(out: Path, data_files: list[str] | None, cfg: PairConfig, preset
           f"greedy acceptance ~{alpha if alpha is None else round(alpha, 3)}; elapsed {elapsed:.1f}s",
           file=sys.stderr)
     return {
-        "version": BUILD_VERSION, "preset": preset, "config": asdict(cfg),
+        "version": BUILD_VERSION, "data_recipe": DATA_RECIPE, "preset": preset, "config": asdict(cfg),
         "data_files": files,
         "corpus": {"train_docs": len(train_docs), "heldout_docs": len(held_docs),
                    "train_tokens": len(stream), "vocab_size": len(tokenizer)},

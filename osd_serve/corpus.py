@@ -34,7 +34,7 @@ def _field_text(value: object) -> str:
     if isinstance(value, str):
         return value
     if isinstance(value, list) and value and all(isinstance(m, dict) for m in value):
-        turns = (m.get("content", m.get("value")) for m in value)
+        turns = (_field_text(m.get("content", m.get("value"))) or m.get("text") for m in value)  # parts: {"text"}
         return "\n".join(t for t in turns if isinstance(t, str) and t)
     return ""
 

@@ -301,7 +301,13 @@ def parse_request(raw: bytes, model: type[BaseModel]) -> BaseModel:
         # Only on the error path: the walk costs ~0.1 us per list item, and a prompt of token ids is long.
         if any(err["type"] == "string_unicode" for err in e.errors()) and (bad := _bad_key(data)) is not None:
             raise RequestError(f"{bad}: an object key that is not valid Unicode text (a lone surrogate)", bad) from None
-        raise validation_error(e.errors()) from None
+        err = validation_error(e.errors())
+        one = data.get("prompt")
+        if (err.param or "").startswith("prompt.") and isinstance(one, list) and len(one) == 1 and isinstance(one[0], (str, list)):
+            # _one_prompt unwrapped a one-prompt batch: the location is inside its element, prompt.0
+            param = "prompt.0." + err.param.removeprefix("prompt.")
+            err = RequestError(param + str(err).removeprefix(err.param), param)
+        raise err from None
     if req.stream_options is not None and not req.stream:
         raise RequestError("stream_options: only allowed when stream is true", "stream_options")
     return req

@@ -279,7 +279,8 @@ def _fake_build(out, data_files, cfg, preset):
     (out / "draft").mkdir()
     files = [{"path": os.path.abspath(p), "bytes": os.path.getsize(p), "sha256": bootstrap._digest(p)}
              for p in data_files or []]
-    return {"version": bootstrap.BUILD_VERSION, "preset": preset, "config": bootstrap.asdict(cfg), "data_files": files}
+    return {"version": bootstrap.BUILD_VERSION, "data_recipe": bootstrap.DATA_RECIPE, "preset": preset,
+            "config": bootstrap.asdict(cfg), "data_files": files}
 
 
 def test_a_dangling_alias_is_replaced_not_fatal(tmp_path, monkeypatch):

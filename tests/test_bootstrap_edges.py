@@ -5,6 +5,7 @@ import fcntl
 import os
 import stat
 import threading
+from pathlib import Path
 import time
 
 import pytest
@@ -102,6 +103,8 @@ def test_chat_records_give_their_turns():
     sharegpt = {"conversations": [{"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4"}]}
     assert corpus.record_text(openai) == "x1\nHi?\nHello."
     assert corpus.record_text(sharegpt) == "2+2?\n4"
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Look:"}, {"type": "image_url"}]}]}
+    assert corpus.record_text(parts) == "Look:"
     assert corpus.record_text({"tags": ["a", "b"], "q": "text"}) == "text"  # lists of strings stay out
 
 
@@ -139,3 +142,20 @@ def test_a_build_is_on_disk_before_its_rename_and_the_rename_after(tmp_path, mon
     [(tmp, before)] = renamed
     assert tmp + "/" + bootstrap.COMPLETE_MARKER in synced[:before] and tmp + "/target" in synced[:before]
     assert synced[before:] == [str(tmp_path)]  # the directory holding the rename
+
+
+def test_a_data_build_of_an_older_data_recipe_is_rebuilt_the_default_pair_is_not(tmp_path, monkeypatch):
+    """How data files become documents changed (chat turns, repeated held-out records): a build from data
+    by the older reading must not be a cache hit (its prompts may be trained on); the default pair, read
+    from the standard library, is unchanged by it and keeps its cache."""
+    calls = _counting_build(monkeypatch)
+    data = _jsonl(tmp_path / "d.jsonl", [{"q": "a"}])
+    built = build_pair([data], out_root=str(tmp_path / "out"), preset="tiny")
+    build_pair(out_root=str(tmp_path / "out"), preset="tiny")
+    assert len(calls) == 2
+    monkeypatch.setattr(bootstrap, "DATA_RECIPE", bootstrap.DATA_RECIPE + 1)
+    assert build_pair([data], out_root=str(tmp_path / "out"), preset="tiny") != built  # a new key, built anew
+    build_pair(out_root=str(tmp_path / "out"), preset="tiny")
+    assert len(calls) == 3
+    info = bootstrap._build_info(Path(built["target"]).parent, TINY)
+    assert info is None  # and the old build itself no longer counts as complete

@@ -224,14 +224,15 @@ def test_a_publish_that_dies_mid_way_leaves_every_listed_version_loadable(tmp_pa
     assert again.publish(st) == 6
 
 
-def test_a_failed_update_leaves_its_trigger_due_and_the_loop_backs_off(models, tok, monkeypatch):
+def test_a_failed_update_leaves_its_trigger_due_and_the_loop_backs_off_per_expert(models, tok, monkeypatch):
     """The trigger window closed before training: after a failed update (an OOM) the next one waited for
     trigger_records new records, or never at low traffic. Retried at once instead, a fault that repeats
-    would train and fail every few seconds on the cores serving needs: the loop's waits double, to a cap."""
+    would train and fail every few seconds on the cores serving needs: its retries wait 5, 10, 20 ... s.
+    Per expert: another expert's updates neither wait on it nor reset its wait."""
+    from osd_serve.distill.replay import Backoff
+
     dist = _distiller(models, tok)
     dist.buffer.cfg.trigger_records = 8
-    for s in dist.buffer.shards.values():
-        s.cfg = dist.buffer.cfg
     dist.engine.generate(_prompts(len(tok), 16, 1), SP)
     assert dist.due() == {"default": "size"}
 
@@ -242,8 +243,21 @@ def test_a_failed_update_leaves_its_trigger_due_and_the_loop_backs_off(models, t
     with pytest.raises(RuntimeError):
         dist.update("default", "size")
     assert dist.due() == {"default": "size"}  # still due: the loop retries it
-    waits, polls = [], iter([False] * 7)
-    monkeypatch.setattr(dist, "_stop", SimpleNamespace(is_set=lambda: next(polls, True), wait=waits.append))
-    monkeypatch.setattr(dist, "_wake", SimpleNamespace(wait=lambda timeout: None, clear=lambda: None))
+
+    now, calls = [0.0], []
+
+    def update(expert, why):
+        calls.append((now[0], expert))
+        if expert == "a":
+            raise RuntimeError("CUDA out of memory (simulated)")
+
+    dist.backoff = Backoff(dist.RETRY_S, dist.RETRY_MAX_S, clock=lambda: now[0])
+    polls = iter([False] * 40)
+    monkeypatch.setattr(dist, "due", lambda: {"a": "size", "b": "size"})
+    monkeypatch.setattr(dist, "update", update)
+    monkeypatch.setattr(dist, "_stop", SimpleNamespace(is_set=lambda: next(polls, True)))
+    monkeypatch.setattr(dist, "_wake", SimpleNamespace(wait=lambda timeout: now.__setitem__(0, now[0] + 1.0),
+                                                       clear=lambda: None))
     dist._loop()
-    assert waits == [5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 300.0] and len(dist.updates) == 8
+    assert [t for t, e in calls if e == "a"] == [1.0, 6.0, 16.0, 36.0]
+    assert [t for t, e in calls if e == "b"] == [float(t) for t in range(1, 41)]  # every poll, never held up

@@ -339,21 +339,36 @@ def test_records_and_heartbeats_reach_the_actors(monkeypatch):
     assert beats == [("r1", 2, 8), ("r1", 3, 8)]
 
 
-def test_a_failed_job_leaves_its_trigger_due_and_retries_back_off(plain_ray, monkeypatch, tmp_path, draft_dir):
+def test_a_failed_job_leaves_its_trigger_due_and_retries_back_off_per_expert(plain_ray, monkeypatch, tmp_path,
+                                                                            draft_dir):
     """take() closed the trigger window before training: a job that failed (a worker OOM, the worker group
-    not starting) was retried only after trigger_records new records, or never at low traffic. Retried
-    at once instead, a fault that repeats trained and failed every poll: the waits double, to a cap."""
-    def oom():
-        raise RuntimeError("worker OOM")
+    not starting) was retried only after trigger_records new records, or never at low traffic. Now it stays
+    due; retried every poll, a fault that repeats would train and fail on the cores serving needs, so its
+    retries wait 5, 10, 20 ... s. Per expert: a failing expert must not starve or delay another."""
+    from osd_serve.distill.replay import Backoff
 
-    ctrl, trains, _ = _controller(plain_ray, monkeypatch, tmp_path, draft_dir, during=oom)
-    _fill(plain_ray, 8, heldout=2)
-    waits, left = [], iter([False] * 8)
-    ctrl._stop = SimpleNamespace(is_set=lambda: next(left, True), wait=waits.append)
+    ctrl, _, _ = _controller(plain_ray, monkeypatch, tmp_path, draft_dir)
+    job, jobs, now = ctrl._job, [], [0.0]
+
+    def fails_for_a(expert, *a):
+        jobs.append((now[0], expert))
+        if expert == "a":
+            raise RuntimeError("worker OOM")
+        return job(expert, *a)
+
+    monkeypatch.setattr(ctrl, "_job", fails_for_a)
+    ctrl.backoff = Backoff(ctrl.RETRY_S, ctrl.RETRY_MAX_S, clock=lambda: now[0])
+    _fill(plain_ray, 4, heldout=0)  # no guard samples: b's job skips, "too few records", as a success
+    for i in range(4):
+        plain_ray.add("a", _rec("a", heldout=i > 1), 100)
+        plain_ray.add("b", _rec("b", heldout=i > 1), 100)
+    left = iter([False] * 40)
+    ctrl._stop = SimpleNamespace(is_set=lambda: next(left, True), wait=lambda s: now.__setitem__(0, now[0] + 1.0))
     ctrl._loop(1.0)
-    assert len(trains) == 8 and plain_ray.due() == {"default": "size"}  # every poll's job had the trigger due
-    assert waits == [5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 300.0, 300.0]
-    assert [e["error"] for e in ctrl.history()] == ["RuntimeError('worker OOM')"] * 8
+    assert [t for t, e in jobs if e == "a"] == [0.0, 5.0, 15.0, 35.0]
+    assert (0.0, "b") in jobs and "b" not in plain_ray.due()  # b trained at once, a's failure just before it
+    assert "a" in plain_ray.due()  # a's trigger stays due
+    assert [e["expert"] for e in ctrl.history() if "error" in e] == ["a"] * 4
 
 
 def test_admin_experts_shows_the_controllers_jobs_json_safe(plain_ray, monkeypatch, tmp_path, draft_dir):
@@ -391,3 +406,35 @@ def test_admin_experts_shows_the_controllers_jobs_json_safe(plain_ray, monkeypat
     server.controller = SimpleNamespace(report=SimpleNamespace(remote=gone))
     assert asyncio.run(server.admin("experts"))["distill_controller"] == {
         "error": "the distill controller did not answer (RuntimeError)"}
+
+
+def test_a_restarted_actor_serves_the_current_config_not_its_creations(plain_ray, monkeypatch, tmp_path, draft_dir):
+    """Restarted (max_restarts), an actor's __init__ gets its creation's arguments: the buffer then refused
+    every record of the pair a redeploy had moved to, and the controller trained with the old settings."""
+    new_pair, old_pair = ["t2", "d2"], ["t1", "d1"]
+    monkeypatch.setattr(dist, "_restarted", lambda: True)
+    buffer = _cls(dist.ReplayBufferActor)({"max_bytes": 1 << 20}, old_pair)
+    assert buffer.add("default", _rec(), 100, new_pair)  # the pair it serves now is not refused
+    buffer.configure({"max_bytes": 1 << 20}, new_pair)  # the next replica's connect() names it again
+    assert not buffer.add("default", _rec(), 100, old_pair)
+
+    monkeypatch.setattr(dist, "_restarted", lambda: False)
+    versions = str(tmp_path / "versions")
+    ctrl = _cls(dist.DistillController)(draft_dir, versions, {"mode": "full"}, 3, poll_s=3600)
+    ctrl.configure("org/new-draft", versions, {"mode": "lora", "lr": 0.01}, 7, 2, 4, 9)  # a redeploy
+    monkeypatch.setattr(dist, "_restarted", lambda: True)
+    again = _cls(dist.DistillController)(draft_dir, versions, {"mode": "full"}, 3, poll_s=3600)
+    assert again.status()["settings"] == ctrl.status()["settings"]
+    assert again.settings["draft_path"] == "org/new-draft" and again.settings["keep_versions"] == 9
+
+
+def test_a_controller_that_does_not_answer_does_not_hold_admin_experts(monkeypatch):
+    """A restarting controller (max_restarts) or one pending resources held /admin/experts indefinitely."""
+    import asyncio
+
+    async def never():
+        await asyncio.sleep(3600)
+
+    monkeypatch.setattr(dist, "REPORT_TIMEOUT_S", 0.05)
+    controller = SimpleNamespace(report=SimpleNamespace(remote=never))
+    assert asyncio.run(dist.controller_report(controller)) == {"error": "the distill controller did not answer (TimeoutError)"}

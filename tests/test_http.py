@@ -94,12 +94,12 @@ def test_router_picks_experts_and_explicit_expert_wins(client):
     ({"prompt": "x", "max_tokens": 3000}, "max_tokens"),  # no room for any prompt within max_model_len
     ({"prompt": "x" * 70_000}, "prompt"),  # over max_prompt_chars (32 per token of max_model_len): refused untokenized
     # strict types: these were coerced, [true, false] into the token ids [1, 0]
-    ({"prompt": [True, False]}, "prompt"),
+    ({"prompt": [True, False]}, "prompt.0"),  # inside a list: its index
     ({"prompt": "x", "max_tokens": "4"}, "max_tokens"),
     ({"prompt": "x", "stream": "yes"}, "stream"),
     ({"prompt": "x", "seed": 1000.0}, "seed"),
     # token ids out of range: -1 and an id that overflowed the tokenizer's decode (a 500)
-    ({"prompt": [-1]}, "prompt"),
+    ({"prompt": [-1]}, "prompt.0"),
     ({"prompt": [10**20]}, "prompt"),
     ({"prompt": "ab\udc80cd"}, "prompt"),  # a lone surrogate: the tokenizer's TypeError was a 500
     ({"prompt": "x", "stop": ["\ud800"]}, "stop"),
@@ -131,7 +131,7 @@ def test_bad_input_is_a_400_naming_the_field(client, body, param):
 
 def test_chat_bad_input_names_the_message_field(client):
     # null content from a user: the 400 named messages.0, the message, not its content
-    for content, param in (("\udc00", "messages.0.content"), ([{"type": "image_url", "image_url": {}}], "messages.0.content"),
+    for content, param in (("\udc00", "messages.0.content"), ([{"type": "image_url", "image_url": {}}], "messages.0.content.0"),
                            (None, "messages.0.content")):
         r = client.post("/v1/chat/completions", headers=AUTH | {"content-type": "application/json"},
                         content=json.dumps({"messages": [{"role": "user", "content": content}]}))

@@ -205,6 +205,8 @@ def test_a_chat_template_that_refuses_the_messages_is_a_value_error_naming_messa
     ({"prompt": [5, -1]}, "prompt.1", "greater than or equal to 0"),
     ({"prompt": ["x", 5]}, "prompt.0", "valid integer"),  # a list prompt is token ids
     ({"prompt": ["x", "y"]}, "prompt", "a batch of 2 prompts is not supported"),
+    ({"prompt": [[1, -1]]}, "prompt.0.1", "greater than or equal to 0"),  # a one-prompt batch: inside its element
+    ({"prompt": [["a"]]}, "prompt.0.0", "valid integer"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages.0.content.0", "only text content parts are supported, not type 'image_url'"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "cache_control": {}}]}]},

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from .guard import GuardConfig, check, retire_guard_samples, split_for_guard
 from .recorder import Recorder, RecordConfig
-from .replay import ReplayBuffer
+from .replay import Backoff, ReplayBuffer
 from .trainer import DistillTrainer
 from .versions import VersionStore, draft_fingerprint
 
@@ -59,6 +59,7 @@ class OnlineDistiller:
         self._update_lock = threading.Lock()  # one update (or rollback) at a time: they share the trainer
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self.backoff = Backoff(self.RETRY_S, self.RETRY_MAX_S)
         self._thread: threading.Thread | None = None
         self.error: str | None = None  # the last failed update's exception, for /admin/experts
         base = draft_fingerprint(engine.draft.state_dict())
@@ -178,19 +179,18 @@ class OnlineDistiller:
         self._thread.start()
 
     def _loop(self) -> None:
-        retry = self.RETRY_S
+        backoff = self.backoff
         while not self._stop.is_set():
             self._wake.wait(timeout=0.5)  # the timeout lets age triggers fire without traffic
             self._wake.clear()
             for expert, why in self.due().items():
+                if not backoff.ready(expert):
+                    continue
                 try:
                     self.update(expert, why)
-                    retry = self.RETRY_S
+                    backoff.succeeded(expert)
                 except Exception:  # noqa: BLE001  one failed update (OOM, full disk) must not end distillation;
-                    # update() recorded it and left the trigger due. A fault that repeats must not spin,
-                    # nor take the cores serving needs every few seconds: each retry waits twice as long.
-                    self._stop.wait(retry)
-                    retry = min(2 * retry, self.RETRY_MAX_S)
+                    backoff.failed(expert)  # update() recorded it and left the trigger due
 
     RETRY_S, RETRY_MAX_S = 5.0, 300.0
 

@@ -200,3 +200,27 @@ class ReplayBuffer:
     @property
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.shards.values())
+
+
+class Backoff:
+    """Per expert, after n failed updates in a row: no retry for base * 2**(n-1) s, at most cap. A failed
+    update leaves its trigger due (Shard.rearm), so without this a fault that repeats (an OOM) would train
+    and fail every poll on the cores serving needs; per expert, so one failing expert neither delays the
+    others' updates nor has its own wait reset by their successes."""
+
+    def __init__(self, base_s: float = 5.0, cap_s: float = 300.0, clock=time.monotonic):
+        self.base_s, self.cap_s, self.clock = base_s, cap_s, clock
+        self._fails: dict[str, tuple[int, float]] = {}  # expert -> (failures in a row, no retry before)
+
+    def ready(self, expert: str) -> bool:
+        return self.clock() >= self._fails.get(expert, (0, 0.0))[1]
+
+    def failed(self, expert: str) -> float:
+        """Records a failure; returns the seconds until the next try."""
+        n = self._fails.get(expert, (0, 0.0))[0] + 1
+        wait = min(self.base_s * 2 ** (n - 1), self.cap_s)
+        self._fails[expert] = (n, self.clock() + wait)
+        return wait
+
+    def succeeded(self, expert: str) -> None:
+        self._fails.pop(expert, None)
