@@ -52,11 +52,12 @@ class ReplayBufferActor:
     """pair: [target, draft] of the application's config. Records hold the pair's token ids and target
     distributions, which would train another pair's draft to fit a model it does not serve with."""
 
-    def __init__(self, cfg: dict, pair: list[str] | None = None):
+    def __init__(self, cfg: dict):
         self.buffer = ReplayBuffer(BufferConfig(**cfg))
-        # Restarted (max_restarts), __init__ gets its creation's pair: after a redeploy onto another pair it
-        # would refuse every record of the pair now served, silently (records are fire and forget).
-        self.pair = None if _restarted() else pair
+        # No pair until configure() (connect calls it at once): a restart (max_restarts) re-runs __init__
+        # with its creation's arguments, and a creation pair would then refuse every record of the pair a
+        # redeploy has moved to, silently (records are fire and forget).
+        self.pair: list[str] | None = None
 
     def configure(self, cfg: dict, pair: list[str] | None = None) -> None:
         """The actor is detached and outlives the app: a redeploy brings its config here, and a
@@ -200,10 +201,10 @@ class DistillController:
 
     def __init__(self, draft_path: str, versions_dir: str, train_cfg: dict, steps: int, max_workers: int = 4,
                  heldout: int = 16, poll_s: float = 1.0, keep_versions: int = 5, buffer_name: str = BUFFER_NAME):
-        restarted = _restarted()  # with its creation's arguments: the last configure() saved the current ones
-        self.configure(draft_path, versions_dir, train_cfg, steps, max_workers, heldout, keep_versions, save=not restarted)
-        if restarted:
-            self._load_settings()
+        # A restart (max_restarts) re-runs this with its creation's arguments: the last configure() saved
+        # the current ones, read back here (a new controller gets connect()'s configure() at once anyway).
+        self.configure(draft_path, versions_dir, train_cfg, steps, max_workers, heldout, keep_versions, save=False)
+        self._load_settings()
         self.buffer = ray.get_actor(buffer_name, namespace=NAMESPACE)
         self.load: dict[str, tuple[float, float, float]] = {}  # replica -> (ongoing, capacity, time), from heartbeats
         self.events: collections.deque[dict] = collections.deque(maxlen=self.MAX_EVENTS)
@@ -234,12 +235,14 @@ class DistillController:
 
     def _load_settings(self) -> None:
         path = self.settings["versions_dir"] / SETTINGS_FILE
-        try:
-            saved = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            logger.warning("distill controller restarted with its creation's settings: %s unreadable (%s)", path, e)
+        if not path.exists():
+            self._save_settings()
             return
-        self.configure(**saved)
+        try:
+            self.configure(**json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError) as e:  # unreadable, or another version's fields
+            logger.warning("distill controller: %s unreadable (%s); its creation's settings stand", path, e)
+            self._save_settings()
 
     def heartbeat(self, replica: str, ongoing: float, capacity: float) -> None:
         self.load[replica] = (ongoing, capacity, time.monotonic())
@@ -351,15 +354,6 @@ class DistillController:
 SETTINGS_FILE = "controller.json"
 
 
-def _restarted() -> bool:
-    """Whether this actor is a restart (max_restarts) of one that died."""
-    try:
-        ctx = ray.get_runtime_context()
-        return ctx.get_actor_id() is not None and bool(ctx.was_current_actor_reconstructed)
-    except Exception:  # noqa: BLE001  not in an actor (tests build the classes plain)
-        return False
-
-
 def _json_safe(obj):
     """obj with every non-finite float as None (JSON has no NaN: the route's encoder answered 500)."""
     if isinstance(obj, float):
@@ -421,7 +415,7 @@ def connect(cfg, app: str | None = None) -> tuple:
     opts = {"namespace": NAMESPACE, "get_if_exists": True, "lifetime": "detached", "max_restarts": -1}
     buffer_cfg = {"max_bytes": d.buffer_mb << 20, "trigger_records": d.trigger_records, "trigger_age_s": d.trigger_age_s}
     pair = pair_of(cfg)
-    buffer = ReplayBufferActor.options(name=buffer_name, **opts).remote(buffer_cfg, pair)
+    buffer = ReplayBufferActor.options(name=buffer_name, **opts).remote(buffer_cfg)
     train = {"mode": d.mode, "lr": d.lr, "steps_per_update": d.steps_per_update}
     args = (model_paths(cfg)[1], str(versions), train, d.steps_per_update, d.max_train_workers)
     controller = DistillController.options(name=controller_name, **opts).remote(*args, keep_versions=d.keep_versions,

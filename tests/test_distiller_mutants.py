@@ -77,7 +77,8 @@ def test_a_redeploy_onto_another_pair_empties_the_buffer_and_refuses_the_old_pai
     monkeypatch.setattr(dist, "ray", SimpleNamespace(put=lambda x: x))
     cfg = {"max_bytes": 1 << 20, "trigger_records": 4, "trigger_age_s": 60.0}
     old, new = ["t1", "d1"], ["t2", "d1"]
-    buffer = _cls(dist.ReplayBufferActor)(cfg, old)
+    buffer = _cls(dist.ReplayBufferActor)(cfg)
+    buffer.configure(cfg, old)  # what connect() does at once
     for _ in range(3):
         assert buffer.add("default", _rec(), 100, old)
     buffer.configure(cfg, old)  # the same pair: a redeploy keeps its records
@@ -302,7 +303,7 @@ def test_connect_gives_the_actors_the_config(monkeypatch):
     opts = {"namespace": dist.NAMESPACE, "get_if_exists": True, "lifetime": "detached", "max_restarts": -1}
     names = dist.actor_names("llama")
     pair = ["org/target", "org/draft"]
-    assert made == [("buffer", {"name": names[0], **opts}, (buffer_cfg, pair), {}),
+    assert made == [("buffer", {"name": names[0], **opts}, (buffer_cfg,), {}),
                     ("controller", {"name": names[1], **opts}, args, {"keep_versions": 2, "buffer_name": names[0]})]
     assert configured == [("buffer", (buffer_cfg, pair), {}), ("controller", args, {"keep_versions": 2})]
     # the pair as configured: the embedded default's paths differ from node to node
@@ -409,23 +410,23 @@ def test_admin_experts_shows_the_controllers_jobs_json_safe(plain_ray, monkeypat
 
 
 def test_a_restarted_actor_serves_the_current_config_not_its_creations(plain_ray, monkeypatch, tmp_path, draft_dir):
-    """Restarted (max_restarts), an actor's __init__ gets its creation's arguments: the buffer then refused
-    every record of the pair a redeploy had moved to, and the controller trained with the old settings."""
-    new_pair, old_pair = ["t2", "d2"], ["t1", "d1"]
-    monkeypatch.setattr(dist, "_restarted", lambda: True)
-    buffer = _cls(dist.ReplayBufferActor)({"max_bytes": 1 << 20}, old_pair)
-    assert buffer.add("default", _rec(), 100, new_pair)  # the pair it serves now is not refused
-    buffer.configure({"max_bytes": 1 << 20}, new_pair)  # the next replica's connect() names it again
-    assert not buffer.add("default", _rec(), 100, old_pair)
+    """Restarted (max_restarts), an actor's __init__ gets its creation's arguments: a buffer created with a
+    pair then refused every record of the pair a redeploy had moved to, and the controller trained with
+    the old settings. The buffer now has no pair until configure(); the controller reads its last back."""
+    buffer = _cls(dist.ReplayBufferActor)({"max_bytes": 1 << 20})
+    assert buffer.add("default", _rec(), 100, ["t2", "d2"])  # whatever pair serves now is not refused
+    buffer.configure({"max_bytes": 1 << 20}, ["t2", "d2"])  # the next replica's connect() names it again
+    assert not buffer.add("default", _rec(), 100, ["t1", "d1"])
 
-    monkeypatch.setattr(dist, "_restarted", lambda: False)
     versions = str(tmp_path / "versions")
     ctrl = _cls(dist.DistillController)(draft_dir, versions, {"mode": "full"}, 3, poll_s=3600)
     ctrl.configure("org/new-draft", versions, {"mode": "lora", "lr": 0.01}, 7, 2, 4, 9)  # a redeploy
-    monkeypatch.setattr(dist, "_restarted", lambda: True)
-    again = _cls(dist.DistillController)(draft_dir, versions, {"mode": "full"}, 3, poll_s=3600)
+    again = _cls(dist.DistillController)(draft_dir, versions, {"mode": "full"}, 3, poll_s=3600)  # the restart
     assert again.status()["settings"] == ctrl.status()["settings"]
     assert again.settings["draft_path"] == "org/new-draft" and again.settings["keep_versions"] == 9
+    (tmp_path / "versions" / dist.SETTINGS_FILE).write_text("{not json")
+    third = _cls(dist.DistillController)(draft_dir, versions, {"mode": "full"}, 3, poll_s=3600)
+    assert third.settings["draft_path"] == draft_dir  # unreadable: its creation's settings stand
 
 
 def test_a_controller_that_does_not_answer_does_not_hold_admin_experts(monkeypatch):
