@@ -209,7 +209,7 @@ class DistillController:
         self.load: dict[str, tuple[float, float, float]] = {}  # replica -> (ongoing, capacity, time), from heartbeats
         self.events: collections.deque[dict] = collections.deque(maxlen=self.MAX_EVENTS)
         self.state = "idle"
-        self.backoff = Backoff(self.RETRY_S, self.RETRY_MAX_S)
+        self.backoff = Backoff()
         self._stop = threading.Event()
         threading.Thread(target=self._loop, args=(poll_s,), daemon=True).start()
 
@@ -228,7 +228,7 @@ class DistillController:
             path = self.settings["versions_dir"] / SETTINGS_FILE
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f".{SETTINGS_FILE}.{os.getpid()}")
-            tmp.write_text(json.dumps({**self.settings, "versions_dir": str(self.settings["versions_dir"])}))
+            tmp.write_text(json.dumps(self._plain_settings()))
             os.replace(tmp, path)
         except OSError as e:
             logger.warning("distill controller: its settings could not be saved for a restart (%s)", e)
@@ -239,7 +239,7 @@ class DistillController:
             self._save_settings()
             return
         try:
-            self.configure(**json.loads(path.read_text()))
+            self.configure(**json.loads(path.read_text()), save=False)  # the file holds them already
         except (OSError, ValueError, TypeError) as e:  # unreadable, or another version's fields
             logger.warning("distill controller: %s unreadable (%s); its creation's settings stand", path, e)
             self._save_settings()
@@ -258,15 +258,16 @@ class DistillController:
 
     def status(self) -> dict:
         return {"state": self.state, "serve_load": self.serve_load(), "updates": len(self.events),
-                "settings": {**self.settings, "versions_dir": str(self.settings["versions_dir"])}}
+                "settings": self._plain_settings()}
+
+    def _plain_settings(self) -> dict:
+        return {**self.settings, "versions_dir": str(self.settings["versions_dir"])}
 
     def report(self, jobs: int = 10) -> dict:
         """What /admin/experts shows of the controller: its state and its last jobs (published or refused,
         with the guard's reason and scores, or the error). Without it, a controller whose every job failed
         looked the same as an idle one. JSON-safe: a guard's NaN score is null."""
         return _json_safe({"state": self.state, "serve_load": self.serve_load(), "jobs": list(self.events)[-jobs:]})
-
-    RETRY_S, RETRY_MAX_S = 5.0, 300.0
 
     def _loop(self, poll_s: float) -> None:
         backoff = self.backoff
@@ -375,16 +376,12 @@ async def controller_report(controller=None) -> dict:
             name = actor_names(replica_app() or "default")[1]
             controller = await asyncio.to_thread(ray.get_actor, name, namespace=NAMESPACE)
         # bounded: a controller restarting (or pending resources) would hold /admin/experts for as long
-        return await asyncio.wait_for(_awaitable(controller.report.remote()), REPORT_TIMEOUT_S)
+        return await asyncio.wait_for(controller.report.remote(), REPORT_TIMEOUT_S)
     except Exception as e:  # noqa: BLE001
         return {"error": f"the distill controller did not answer ({type(e).__name__})"}
 
 
 REPORT_TIMEOUT_S = 5.0
-
-
-async def _awaitable(ref):
-    return await ref  # wait_for wants a coroutine or future; an ObjectRef is only awaitable
 
 
 def actor_names(app: str) -> tuple[str, str]:
@@ -411,7 +408,7 @@ def connect(cfg, app: str | None = None) -> tuple:
     buffer_name, controller_name = actor_names(app or "default")  # outside a replica: the default application's
     # Restarted if they die (an OOM kill of the controller's guard loads): replicas keep their handles, and
     # fire-and-forget records and heartbeats to a dead actor were lost without a word. A restart starts
-    # empty, with its creation's config until the next replica's connect() brings the current one.
+    # empty; the controller reads its last settings back, the buffer takes any pair until configure().
     opts = {"namespace": NAMESPACE, "get_if_exists": True, "lifetime": "detached", "max_restarts": -1}
     buffer_cfg = {"max_bytes": d.buffer_mb << 20, "trigger_records": d.trigger_records, "trigger_age_s": d.trigger_age_s}
     pair = pair_of(cfg)

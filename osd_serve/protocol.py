@@ -123,28 +123,28 @@ class _Sampling(_Strict):
         )
 
 
+_Ids = list[Annotated[int, Field(ge=0)]]
+
+
 class CompletionRequest(_Sampling):
-    prompt: str | list[Annotated[int, Field(ge=0)]]
+    # OpenAI's prompt may also be a batch (texts or token-id lists): typed, so an error inside one is
+    # located where it is (prompt.0.1); one of one is that prompt (_one_prompt)
+    prompt: str | _Ids | list[str] | list[_Ids]
     echo: bool = False  # these three: _UNIMPLEMENTED, accepted at their neutral values only
     best_of: int | None = None
     suffix: str | None = None
     _neutral_completion = field_validator("echo", "best_of", "suffix")(_neutral_only)
     _null_echo = field_validator("echo", mode="before")(classmethod(_null_is_default))
 
-    @field_validator("prompt", mode="before")
-    @classmethod
-    def _one_prompt(cls, v):
-        # OpenAI's prompt may be a batch (a list of texts or of token-id lists); one of one is that
-        # prompt, as LangChain's OpenAI LLM sends every prompt. A longer batch stays a 400 (n is 1).
-        if isinstance(v, list) and v and all(isinstance(p, (str, list)) for p in v):
-            if len(v) > 1:
-                raise ValueError(f"a batch of {len(v)} prompts is not supported: send one prompt per request")
-            return v[0]
-        return v
-
     @field_validator("prompt")
     @classmethod
-    def _prompt_text(cls, v):
+    def _one_prompt(cls, v):
+        # A batch of one is that prompt, as LangChain's OpenAI LLM sends every prompt; a longer one is a
+        # 400 (n is 1).
+        if v and isinstance(v, list) and not isinstance(v[0], int):
+            if len(v) > 1:
+                raise ValueError(f"a batch of {len(v)} prompts is not supported: send one prompt per request")
+            v = v[0]
         return _unicode(v)
 
     @field_validator("logprobs", mode="before")
@@ -301,13 +301,7 @@ def parse_request(raw: bytes, model: type[BaseModel]) -> BaseModel:
         # Only on the error path: the walk costs ~0.1 us per list item, and a prompt of token ids is long.
         if any(err["type"] == "string_unicode" for err in e.errors()) and (bad := _bad_key(data)) is not None:
             raise RequestError(f"{bad}: an object key that is not valid Unicode text (a lone surrogate)", bad) from None
-        err = validation_error(e.errors())
-        one = data.get("prompt")
-        if (err.param or "").startswith("prompt.") and isinstance(one, list) and len(one) == 1 and isinstance(one[0], (str, list)):
-            # _one_prompt unwrapped a one-prompt batch: the location is inside its element, prompt.0
-            param = "prompt.0." + err.param.removeprefix("prompt.")
-            err = RequestError(param + str(err).removeprefix(err.param), param)
-        raise err from None
+        raise validation_error(e.errors()) from None
     if req.stream_options is not None and not req.stream:
         raise RequestError("stream_options: only allowed when stream is true", "stream_options")
     return req

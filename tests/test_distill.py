@@ -365,7 +365,9 @@ def test_a_failed_update_is_reported_and_distillation_goes_on(models, tok, monke
         return real(records, steps, progress)
 
     monkeypatch.setattr(trainer, "train", flaky)
-    monkeypatch.setattr(OnlineDistiller, "RETRY_S", 0.0)
+    from osd_serve.distill.replay import Backoff
+
+    dist.backoff = Backoff(base_s=0.0)  # retried at the next wake, not 5 s later
     dist.start()
     try:
         deadline, i = time.time() + 120, 0

@@ -251,7 +251,7 @@ def test_a_failed_update_leaves_its_trigger_due_and_the_loop_backs_off_per_exper
         if expert == "a":
             raise RuntimeError("CUDA out of memory (simulated)")
 
-    dist.backoff = Backoff(dist.RETRY_S, dist.RETRY_MAX_S, clock=lambda: now[0])
+    dist.backoff = Backoff(clock=lambda: now[0])  # 5 s doubling to 300 s
     polls = iter([False] * 40)
     monkeypatch.setattr(dist, "due", lambda: {"a": "size", "b": "size"})
     monkeypatch.setattr(dist, "update", update)

@@ -358,7 +358,7 @@ def test_a_failed_job_leaves_its_trigger_due_and_retries_back_off_per_expert(pla
         return job(expert, *a)
 
     monkeypatch.setattr(ctrl, "_job", fails_for_a)
-    ctrl.backoff = Backoff(ctrl.RETRY_S, ctrl.RETRY_MAX_S, clock=lambda: now[0])
+    ctrl.backoff = Backoff(clock=lambda: now[0])  # 5 s doubling to 300 s
     _fill(plain_ray, 4, heldout=0)  # no guard samples: b's job skips, "too few records", as a success
     for i in range(4):
         plain_ray.add("a", _rec("a", heldout=i > 1), 100)

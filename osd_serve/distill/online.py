@@ -59,7 +59,7 @@ class OnlineDistiller:
         self._update_lock = threading.Lock()  # one update (or rollback) at a time: they share the trainer
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self.backoff = Backoff(self.RETRY_S, self.RETRY_MAX_S)
+        self.backoff = Backoff()  # per expert, for the background loop's retries
         self._thread: threading.Thread | None = None
         self.error: str | None = None  # the last failed update's exception, for /admin/experts
         base = draft_fingerprint(engine.draft.state_dict())
@@ -191,8 +191,6 @@ class OnlineDistiller:
                     backoff.succeeded(expert)
                 except Exception:  # noqa: BLE001  one failed update (OOM, full disk) must not end distillation;
                     backoff.failed(expert)  # update() recorded it and left the trigger due
-
-    RETRY_S, RETRY_MAX_S = 5.0, 300.0
 
     def _failed(self, expert: str, trigger: str, e: Exception) -> None:
         """Serving goes on with the last good draft; the student restarts from it, not from a
