@@ -70,6 +70,12 @@ class SpecServer:
     def experts(self) -> list[str]:
         return self.service.experts()
 
+    async def check_health(self) -> None:
+        # Serve's own probe (every health_check_period_s): raising has the replica replaced. An engine
+        # loop that stopped, or an engine that could not be reset after a failed step (a sticky CUDA
+        # error fails every allocation), serves nothing again; the replica kept answering with errors.
+        await self.service.ready()
+
     async def admin(self, op: str, expert: str | None = None, to: int | None = None) -> dict:
         if op == "experts":
             out = await self.service.admin_experts()

@@ -13,6 +13,8 @@ from pathlib import Path
 from .config import AUTO, MAX_SPECULATIVE_TOKENS, SEED_RANGE
 from .corpus import lone_surrogate
 
+MAX_THREADS = 4096  # torch.set_num_threads takes a C int: 2**31 failed with "Overflow when unpacking long"
+
 
 def _at_least(lo: int, at_most: int | None = None):
     """argparse type: an integer >= lo (and <= at_most), or a usage error naming the option."""
@@ -103,6 +105,8 @@ def _prompt_field(line: str, path: str, n: int, field: str) -> str:
         rec = json.loads(line)
     except json.JSONDecodeError as e:
         raise SystemExit(f"error: {path}:{n}: not valid JSON ({e.msg})")
+    except ValueError as e:  # an integer of over 4300 digits is no JSONDecodeError: main() printed it without a line
+        raise SystemExit(f"error: {path}:{n}: not valid JSON ({e})") from None
     except RecursionError:  # json's decoder recurses per level
         raise SystemExit(f"error: {path}:{n}: JSON nested too deeply") from None
     if not isinstance(rec, dict) or not isinstance(rec.get(field), str):
@@ -114,6 +118,12 @@ def _prompt_field(line: str, path: str, n: int, field: str) -> str:
 
 def _read_prompts(path: str, field: str = "prompt") -> list[str]:
     return [p for _, p in _read_numbered(path, field)]
+
+
+def _max_tokens_fit(max_tokens: int, max_model_len: int, whose: str) -> None:
+    """An option error, before the prompts: it was found at the first prompt and blamed on its line."""
+    if max_tokens >= max_model_len:
+        raise ValueError(f"--max-tokens {max_tokens} leaves no room for a prompt within {whose} max_model_len {max_model_len}")
 
 
 def _check_seed_range(seed: int | None, n: int) -> None:
@@ -180,11 +190,13 @@ def cmd_generate(args) -> None:
             seed=args.seed, num_speculative_tokens=args.num_speculative_tokens,
         )
         engine_cfg = EngineConfig(max_batch_size=args.batch_size)
+        _max_tokens_fit(args.max_tokens, engine_cfg.max_model_len, "the engine's")
     except ValueError as e:
         raise SystemExit(f"error: {e}")
     target, draft, tok = _load(args)
     try:
         engine = SpecEngine(target, draft, tok, engine_cfg)
+        _max_tokens_fit(args.max_tokens, engine.max_model_len, "the pair's")
     except ValueError as e:
         raise SystemExit(f"error: {e}")
     reqs = []
@@ -244,7 +256,12 @@ class _Lines:
     def write(self, line: str) -> None:
         self.lines.append(line)
         if self.file is None:
-            print(line, flush=True)
+            from tqdm import tqdm
+
+            # The bar (stderr) is cleared around the line and redrawn after it: on a terminal the line
+            # was glued to the bar's, and the bar's next redraw wrote over it.
+            with tqdm.external_write_mode(file=sys.stdout):
+                print(line, flush=True)
             return
         try:
             self.file.write(line + "\n")
@@ -306,7 +323,7 @@ def cmd_replay(args) -> None:
     from .distill.recorder import RecordConfig
     from .distill.replay import BufferConfig
     from .distill.trainer import TrainConfig
-    from .replay import load_stream, replay
+    from .replay import check_out_dir, load_stream, replay
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -326,6 +343,8 @@ def cmd_replay(args) -> None:
                               trigger_age_s=args.trigger_age_s, eviction=args.eviction, seed=args.seed)
         record = RecordConfig(keep=args.keep, topk=args.topk)
         guard = GuardConfig(tolerance=args.guard_tolerance)
+        check_out_dir(args.out)
+        _max_tokens_fit(args.max_tokens, EngineConfig().max_model_len, "the engine's")
     except (ValueError, OSError) as e:
         raise SystemExit(f"error: {e}")
     _out_dir(args.out)
@@ -364,7 +383,9 @@ def _replay_args(r: argparse.ArgumentParser) -> None:
     # torch.manual_seed's range: a seed past it failed at the trainer's build, after the static run
     r.add_argument("--seed", type=_at_least(SEED_RANGE[0], SEED_RANGE[1] - 1), default=0)
     r.add_argument("--max-requests", type=_at_least(1), default=None, help="total; sequential order gives each file an equal share")
-    r.add_argument("--max-tokens", type=_at_least(1), default=64)
+    # >= 2: each request's last step drafts nothing (k is capped at the tokens left), so at 1 no draft
+    # was ever proposed and every α was None
+    r.add_argument("--max-tokens", type=_at_least(2), default=64)
     # At least 1: replay measures acceptance, and at k = 0 nothing is drafted (every α was None)
     r.add_argument("--num-speculative-tokens", type=_at_least(1, MAX_SPECULATIVE_TOKENS), default=4)
     r.add_argument("--batch-size", type=_at_least(1), default=8)
@@ -385,7 +406,7 @@ def _replay_args(r: argparse.ArgumentParser) -> None:
     r.add_argument("--guard-tolerance", type=float, default=0.0)
     r.add_argument("--offline-epochs", type=_at_least(1), default=4)
     r.add_argument("--online-only", action="store_true", help="skip the static and offline baselines")
-    r.add_argument("--threads", type=_at_least(0), default=0)
+    r.add_argument("--threads", type=_at_least(0, MAX_THREADS), default=0)
     r.add_argument("--out", required=True, metavar="DIR",
                    help="DIR/result.json is rewritten as each run finishes and when replay stops; its \"complete\" "
                         "is false until all runs are done (an interrupted replay keeps the runs that finished)")
@@ -425,7 +446,7 @@ def main(argv: list[str] | None = None) -> None:
     n.add_argument("--batch-sizes", type=_batch_sizes, default=[1, 8], help="comma-separated, e.g. 1,8")
     # the engine's bound: it refused k=17 only when the engine runs came, after the HF baselines
     n.add_argument("--max-k", type=_at_least(1, MAX_SPECULATIVE_TOKENS), default=8)
-    n.add_argument("--threads", type=_at_least(0), default=0, help="torch threads (default: torch's choice)")
+    n.add_argument("--threads", type=_at_least(0, MAX_THREADS), default=0, help="torch threads (default: torch's choice)")
     n.add_argument("--repeats", type=_at_least(1), default=3,
                    help="time each decoder this many times, interleaved; keep the median (one round: the first run of each shape is slow)")
     n.add_argument("--out", metavar="FILE.json")

@@ -88,13 +88,20 @@ def numbered_records(path: str) -> Iterator[tuple[int, object]]:
     name = path.lower()
     try:
         if name.endswith((".jsonl", ".jsonl.gz")):
-            with (gzip.open if name.endswith(".gz") else open)(path, "rt", encoding="utf-8-sig") as f:
-                for n, line in enumerate(f, 1):
+            # Bytes, decoded line by line: a text stream decodes blocks, so its error named no line.
+            with (gzip.open if name.endswith(".gz") else open)(path, "rb") as f:
+                for n, raw in enumerate(f, 1):
+                    try:
+                        line = raw.decode("utf-8-sig" if n == 1 else "utf-8")
+                    except UnicodeDecodeError as e:
+                        raise ValueError(f"{path}: not UTF-8 text (line {n}: {e.reason})") from None
                     if line.strip():
                         try:
                             yield n, json.loads(line)
                         except json.JSONDecodeError as e:
                             raise ValueError(f"{path}:{n}: not valid JSON ({e.msg}, column {e.colno})") from None
+                        except ValueError as e:  # an integer of over 4300 digits: no JSONDecodeError, no line
+                            raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
                         except RecursionError:  # json's decoder recurses per level: a traceback, naming no line
                             raise ValueError(f"{path}:{n}: JSON nested too deeply") from None
         elif name.endswith(".json"):
@@ -103,6 +110,10 @@ def numbered_records(path: str) -> Iterator[tuple[int, object]]:
                     data = json.load(f)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{path}:{e.lineno}: not valid JSON ({e.msg}, column {e.colno})") from None
+                except UnicodeDecodeError:
+                    raise
+                except ValueError as e:  # as above: a huge integer
+                    raise ValueError(f"{path}: not valid JSON ({e})") from None
                 except RecursionError:
                     raise ValueError(f"{path}: JSON nested too deeply") from None
             yield from enumerate(data if isinstance(data, list) else [data], 1)

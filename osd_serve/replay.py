@@ -89,11 +89,13 @@ def load_stream(files: list[str], fields: list[str] | None = None, template: str
     if template is not None:
         checked_text(template, "--template", repr(template))
     per_file = []
-    for path in files:
+    names = [Path(path).name for path in files]
+    for path, name in zip(files, names):
         records = _records(path)
-        # The label plot_alpha draws: a name's byte that is not UTF-8 (a lone surrogate once decoded) made
-        # matplotlib raise after every run had finished. A "?" for it; where keeps the path, for errors.
-        source = Path(path).name.encode("utf-8", "replace").decode("utf-8")
+        # The label plot_alpha draws (the path where names clash: code/train.jsonl then math/train.jsonl
+        # was one source, and its shift drew no line). A name's byte that is not UTF-8 (a lone surrogate
+        # once decoded) made matplotlib raise after every run had finished: a "?" for it.
+        source = (name if names.count(name) == 1 else path).encode("utf-8", "replace").decode("utf-8")
         items = [{"prompt": p, "source": source, "where": where} for where, rec in records
                  if (p := _prompt(rec, fields, template, where))]
         if not records:  # said "no record has the field(s) None" before
@@ -132,16 +134,17 @@ def run_stream(engine: SpecEngine, prompts: list[str], params: SamplingParams, d
     rec.on_finish = on_finish
     ids = [engine.add_request(p, params, request_id=f"r{i}") for i, p in enumerate(prompts)]
     reqs = {r.request_id: r for r in engine.waiting}
-    outs: dict[str, list[int]] = {}
     t0 = time.perf_counter()
+    done = 0
     with tqdm(total=len(ids), desc=desc, unit="req", file=sys.stderr) as bar:
         while engine.has_unfinished():
             engine.step()
-            done = [i for i in ids if i not in outs and reqs[i].finished]
-            for i in done:
-                outs[i] = list(reqs[i].output_ids)
-            bar.update(len(done))
-    return [traces[i] for i in ids], [outs[i] for i in ids], time.perf_counter() - t0
+            # Counted, not scanned: a scan of every request after every step grew as requests x steps.
+            n = len(ids) - len(engine.waiting) - len(engine.running)
+            bar.update(n - done)
+            done = n
+    wall = time.perf_counter() - t0
+    return [traces[i] for i in ids], [list(reqs[i].output_ids) for i in ids], wall
 
 
 def rolling_mean(xs: list[float | None], window: int) -> list[float]:
@@ -174,10 +177,12 @@ def throughput_ratio(engine: SpecEngine, trainer: DistillTrainer, records: list,
     ``rounds`` idle and busy runs alternate and the medians are kept (bench's --repeats): one sample
     of each gave 12.8-17.8x on a shared host, where a slow spell hit whichever run it fell on."""
     idle, busy, steps = [], [], [0]
-    for _ in range(rounds):
-        idle.append(_tok_s(engine, prompts, params))
-        busy.append(_while_training(lambda: _tok_s(engine, prompts, params), trainer, records, steps))
-    trainer.revert()  # measurement only: these steps are never published
+    try:
+        for _ in range(rounds):
+            idle.append(_tok_s(engine, prompts, params))
+            busy.append(_while_training(lambda: _tok_s(engine, prompts, params), trainer, records, steps))
+    finally:
+        trainer.revert()  # measurement only: these steps are never published
     mid_idle, mid_busy = statistics.median(idle), statistics.median(busy)
     return {"tokens_per_s_idle": mid_idle, "tokens_per_s_training": mid_busy, "ratio": mid_busy / mid_idle,
             "train_steps_during": steps[0], "rounds": rounds, "idle_rounds": idle, "training_rounds": busy}
@@ -190,20 +195,29 @@ def _tok_s(engine: SpecEngine, prompts: list[str], params: SamplingParams) -> fl
 
 
 def _while_training(fn, trainer: DistillTrainer, records: list, steps: list[int]):
-    """fn() with a thread training on ``records`` beside it; steps[0] counts the optimizer steps taken."""
+    """fn() with a thread training on ``records`` beside it; steps[0] counts the optimizer steps taken.
+    A training thread that failed fails the measurement: fn() alone would have been timed with no
+    training beside it, and reported as if it had."""
     stop = threading.Event()
+    failed: list[BaseException] = []
 
     def train():
-        while not stop.is_set():
-            steps[0] += len(trainer.train(records, steps=1))  # a step skipped for a non-finite gradient returns no loss
+        try:
+            while not stop.is_set():
+                steps[0] += len(trainer.train(records, steps=1))  # a step skipped for a non-finite gradient returns no loss
+        except Exception as e:  # noqa: BLE001  (re-raised in the caller's thread below)
+            failed.append(e)
 
     th = threading.Thread(target=train, daemon=True)
     th.start()
     try:
-        return fn()
+        out = fn()
     finally:
         stop.set()
         th.join()
+    if failed:
+        raise RuntimeError(f"the training thread failed ({type(failed[0]).__name__}: {failed[0]})") from failed[0]
+    return out
 
 
 def save_result(result: dict, path: Path) -> None:
@@ -215,6 +229,9 @@ def save_result(result: dict, path: Path) -> None:
 
 def check_stream(engine: SpecEngine, stream: list[dict], params: SamplingParams) -> None:
     """Every prompt fits the pair with max_tokens, before the first run, naming its file and line."""
+    if params.max_tokens is not None and params.max_tokens >= engine.max_model_len:  # no prompt's fault: was blamed on the first
+        raise ValueError(f"--max-tokens {params.max_tokens} leaves no room for a prompt within the pair's "
+                         f"max_model_len {engine.max_model_len}")
     for s in stream:
         try:
             check_prompt(engine.tokenizer, engine.vocab, engine.max_model_len, s["prompt"], params)
@@ -248,9 +265,30 @@ def _train_offline(draft, buf: ReplayBuffer, train_cfg: TrainConfig, vocab: int,
     }
 
 
+def check_out_dir(out_dir: str) -> None:
+    """replay replaces DIR/versions (and its figures): only a replay's own, with its result.json beside
+    it. A server's versions_dir (--out ~/.cache/osd-serve) or a user's folder given by mistake was
+    deleted whole; --out "" was the current directory."""
+    if not str(out_dir).strip():
+        raise ValueError("--out is empty: give the directory replay writes into")
+    versions = Path(out_dir) / "versions"
+    if os.path.lexists(versions) and not _replay_result(Path(out_dir) / "result.json"):
+        raise ValueError(f"--out {out_dir}: its versions/ is not a replay's (no replay result.json beside it), and "
+                         "replay replaces it: give another directory")
+
+
+def _replay_result(path: Path) -> bool:
+    try:
+        res = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(res, dict) and "runs" in res and "sources" in res
+
+
 def replay(target, draft, tokenizer, stream: list[dict], out_dir: str, params: SamplingParams,
            train_cfg: TrainConfig, buffer_cfg: BufferConfig, record_cfg: RecordConfig, guard_cfg: GuardConfig,
            engine_cfg: EngineConfig | None = None, offline_epochs: int = 4, skip_baselines: bool = False) -> dict:
+    check_out_dir(out_dir)
     check_stream(SpecEngine(target, draft, tokenizer, engine_cfg), stream, params)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -272,10 +310,12 @@ def replay(target, draft, tokenizer, stream: list[dict], out_dir: str, params: S
         }
         save()  # a run that finished is kept whatever happens to the next one
 
-    # An earlier run's result and figures go now: its versions/ does too (below), and a result.json
-    # left beside this run's files would describe another run.
+    # An earlier run's result, figures and versions go now: a result.json left beside this run's files
+    # would describe another run, and the online run must start from the draft given, not resume from
+    # a store an earlier run (perhaps of another draft) left (a stop before the online run kept it).
     for stale in ("alpha.png", "loss.png"):
         (out / stale).unlink(missing_ok=True)
+    shutil.rmtree(out / "versions", ignore_errors=True)
     save()
     try:
         if not skip_baselines:
@@ -286,7 +326,7 @@ def replay(target, draft, tokenizer, stream: list[dict], out_dir: str, params: S
             save()
             eng = SpecEngine(target, off_draft, tokenizer, engine_cfg)
             finish_run("offline", *run_stream(eng, prompts, params, "offline"), result["offline_training"])
-            del off_draft
+            del eng, off_draft  # both: the engine held the draft, a second draft resident through the online run
         _online(target, draft, tokenizer, prompts, params, train_cfg, buffer_cfg, record_cfg, guard_cfg, engine_cfg,
                 out, result, finish_run)
         # With one run (--online-only) there is nothing to compare: null, not true.
@@ -306,9 +346,6 @@ def _online(target, draft, tokenizer, prompts, params, train_cfg, buffer_cfg, re
     online_draft = copy.deepcopy(draft)
     eng = SpecEngine(target, online_draft, tokenizer, engine_cfg)
     trainer = DistillTrainer(online_draft, train_cfg, vocab=eng.vocab)
-    # This run's versions only: a store left by an earlier run into the same --out (perhaps of another
-    # draft) would otherwise be resumed from, and the online run must start from the draft given.
-    shutil.rmtree(out / "versions", ignore_errors=True)
     store = VersionStore(out / "versions", keep_last=5)
     dist = OnlineDistiller(eng, trainer, ReplayBuffer(buffer_cfg), store, guard_cfg, record_cfg)
     ups: list = []  # every update (dist.updates keeps only the newest)
@@ -329,7 +366,10 @@ def _online(target, draft, tokenizer, prompts, params, train_cfg, buffer_cfg, re
         result["record_bytes"] = {"mean": sum(r.nbytes for r in records) / len(records),
                                   "positions_mean": sum(len(r.positions) for r in records) / len(records),
                                   "keep": record_cfg.keep, "topk": record_cfg.topk}
-        result["throughput_while_training"] = throughput_ratio(eng, trainer, records, prompts[:16], params)
+        try:
+            result["throughput_while_training"] = throughput_ratio(eng, trainer, records, prompts[:16], params)
+        except RuntimeError as e:  # the training thread failed (out of memory beside generation): said, not timed
+            result["throughput_while_training"] = {"ratio": None, "error": str(e)}
 
 
 def _plt():

@@ -144,7 +144,7 @@ class SpecService:
     async def ready(self) -> None:
         """Raises unless the engine loop runs (what /health reports); no warnings to give."""
         if not self.server.alive():
-            raise RuntimeError("the engine loop is not running")
+            raise RuntimeError(self.server.broken or "the engine loop is not running")
 
     async def stream(self, expert: str, prompt, params: SamplingParams) -> AsyncIterator[dict]:
         """prompt: text, token ids, or chat messages [{"role", "content"}] (rendered here)."""

@@ -53,6 +53,7 @@ class AsyncSpecServer:
         self._owner: dict[str, str] = {}  # request id -> expert
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self.broken: str | None = None  # why an engine could not be reset after a failed step (alive() is then False)
         # Held while checking _stop and putting an add, and while setting _stop: no add can land in
         # the inbox after the loop's last drain (its caller would wait forever).
         self._closing = threading.Lock()
@@ -115,8 +116,8 @@ class AsyncSpecServer:
         self._wake.set()
 
     def alive(self) -> bool:
-        """The loop thread runs and was not told to stop (no step's failure ends it)."""
-        return self._thread.is_alive() and not self._stop.is_set()
+        """The loop thread runs, was not told to stop (no step's failure ends it), and no engine failed its reset."""
+        return self._thread.is_alive() and not self._stop.is_set() and self.broken is None
 
     def close(self) -> None:
         """Stop the loop. Requests it still held end with finish_reason 'error' and queued adds fail
@@ -221,7 +222,13 @@ class AsyncSpecServer:
         Every request the server gave it, not only those in its queues: a step that failed while
         admitting had already taken some out of ``waiting``."""
         logging.getLogger(__name__).exception("engine step failed for expert %s", name, exc_info=err)
-        eng.reset()  # first: a caller told of the failure finds the engine ready again
+        try:
+            eng.reset()  # first: a caller told of the failure finds the engine ready again
+        except Exception as e:  # noqa: BLE001  (a sticky CUDA error fails every allocation, the reset's too)
+            # The callers must still hear of it below, or they waited forever; and the server says it
+            # is unhealthy (/health 503, Serve replaces the replica) rather than take more requests.
+            logging.getLogger(__name__).exception("resetting expert %s after a failed step failed too", name)
+            self.broken = f"expert {name!r} could not be reset after a failed step ({type(e).__name__})"
         for rid in [rid for rid, expert in self._owner.items() if expert == name]:
             del self._owner[rid]
             self._deliver(StreamDelta(rid, "", [], True, "error"), eng)

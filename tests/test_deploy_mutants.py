@@ -201,6 +201,20 @@ def _spec_server(monkeypatch, **args):
     return app.SpecServer.func_or_class(cfg.model_dump())
 
 
+def test_serve_replaces_a_replica_whose_engine_cannot_serve(monkeypatch):
+    """SpecServer had no check_health: a replica whose engine loop stopped, or whose engine failed its
+    reset (a sticky CUDA error), stayed in service answering every request with an error."""
+    server = _spec_server(monkeypatch, distill={"enabled": False})
+    asyncio.run(server.check_health())  # the stand-in's ready() answers by name: healthy
+
+    async def broken():
+        raise RuntimeError("expert 'default' could not be reset after a failed step (RuntimeError)")
+
+    server.service.ready = broken
+    with pytest.raises(RuntimeError, match="could not be reset"):
+        asyncio.run(server.check_health())
+
+
 def test_a_replica_serves_its_own_versions_and_outside_one_shares_them(monkeypatch):
     """In a Ray Serve replica the local backend claims a versions slot its replacement resumes (by the
     replica's id, private_versions); outside one (tests, the CLI) versions live under versions_dir/local."""

@@ -435,3 +435,28 @@ def test_a_failing_step_callback_costs_no_expert_its_turn(tok):
         assert a_busy and a_done == 0  # b was served while a ran, not after it
     finally:
         server.close()
+
+
+def test_an_engine_that_cannot_be_reset_still_ends_its_requests_and_reports_unhealthy(tok, monkeypatch):
+    """After a sticky CUDA error the failed step's reset fails too (every allocation does): the error
+    deltas came after the reset, so its callers waited forever while /health said ok."""
+    target = llama(len(tok), seed=3)
+    cfg = AppConfig(distill={"enabled": False}, wandb={"mode": "disabled"})
+    svc = SpecService(cfg, models=(target, perturbed(target, 0.05), tok))
+    eng = svc.server.engines["default"]
+
+    def device_lost(self):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered (simulated)")
+
+    monkeypatch.setattr(type(eng), "step", device_lost)
+    monkeypatch.setattr(type(eng), "reset", device_lost)
+    try:
+        client = TestClient(make_app(svc, cfg))
+        assert client.get("/health").status_code == 200
+        for prompt in ("a = 1", "b = 2"):  # the second: a request after the failed reset ends too
+            assert [d["finish_reason"] for d in asyncio.run(_run(svc, prompt, timeout=20))] == ["error"]
+        assert not svc.server.alive()
+        r = client.get("/health")
+        assert r.status_code == 503 and "'default' could not be reset after a failed step" in r.json()["error"], r.text
+    finally:
+        svc.close()
