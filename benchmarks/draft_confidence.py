@@ -47,7 +47,10 @@ def teacher_forced(report: dict) -> list[dict]:
     """Per prompt: conf [n] float (draft's top probability) and match [n] bool, over the target's output."""
     target, draft, tok = load_pair(ModelConfig(target=report["target"], draft=report["draft"], dtype=report["dtype"],
                                                draft_dtype=report.get("draft_dtype", report["dtype"]), device=report["device"]))
-    prompts = _read_prompts(str(Path(report["target"]).parent / "prompts.jsonl"))[: report["prompts"]]
+    # The file the bench measured (a report from before it was recorded: the pair's own prompts.jsonl,
+    # the only file such a report could have used without --prompts)
+    path = report.get("prompts_file") or str(Path(report["target"]).parent / "prompts.jsonl")
+    prompts = _read_prompts(path)[: report["prompts"]]
     ids = [tok.encode(p) for p in prompts]
     outs = SpecEngine(target, draft, tok, EngineConfig(max_batch_size=8)).generate(
         ids, SamplingParams(max_tokens=report["max_tokens"], num_speculative_tokens=0))

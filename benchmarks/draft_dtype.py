@@ -54,9 +54,10 @@ def main() -> None:
     tok_s, cost, outs, alpha = {}, {}, {}, {}
     for _ in tqdm(range(args.rounds), desc=f"{args.rounds} rounds"):
         for bs in sorted({b for b, _ in runs}):
-            t1 = forward_cost(target, bs, ctx, vocab, cpu)
+            rows_run = min(bs, len(ids))  # the rows the engine runs: fewer prompts than bs never fill the batch
+            t1 = forward_cost(target, rows_run, ctx, vocab, cpu)
             for name, d in drafts.items():
-                cost.setdefault((name, bs), []).append(forward_cost(d, bs, ctx, vocab, cpu) / t1)
+                cost.setdefault((name, bs), []).append(forward_cost(d, rows_run, ctx, vocab, cpu) / t1)
         for bs, k in [(b, 0) for b in sorted({b for b, _ in runs})] + runs:
             for name, d in drafts.items() if k else [(args.dtype, same)]:
                 (res, stats), dt = timed(lambda: engine_run(target, d, tok, ids, bs, args.max_tokens, k))
@@ -66,7 +67,7 @@ def main() -> None:
     rows = []
     for bs, k in runs:
         k0 = statistics.median(tok_s[(args.dtype, bs, 0)])
-        row = {"batch": bs, "k": k, "outputs_equal": outs[(args.dtype, bs, k)] == outs[("float32", bs, k)]}
+        row = {"batch": bs, "rows": min(bs, len(ids)), "k": k, "outputs_equal": outs[(args.dtype, bs, k)] == outs[("float32", bs, k)]}
         for name in drafts:
             m = statistics.median(tok_s[(name, bs, k)])
             row[name] = {"c": statistics.median(cost[(name, bs)]), "alpha": alpha[(name, bs, k)], "tok_s": m, "over_k0": m / k0}

@@ -109,7 +109,8 @@ def main() -> None:
                         "p50_ratio": on["p50_s"] / off["p50_s"], "outputs_identical": on["texts"] == off["texts"]})
     for r in rows:
         r.pop("texts")
-    report = {"url": a.url, "max_tokens": a.max_tokens, "trace": a.trace, "rows": rows, "summary": summary}
+    report = {"url": a.url, "max_tokens": a.max_tokens, "requests": a.requests, "trace": a.trace,
+              "trace_speedup": a.trace_speedup if a.trace != "none" else None, "rows": rows, "summary": summary}
     print(json.dumps(summary, indent=1))
     if a.out:
         Path(a.out).write_text(json.dumps(report, indent=1))

@@ -35,5 +35,7 @@ ready() { curl -sf -m 60 localhost:8000$1/v1/completions -H 'Content-Type: appli
 for _ in $(seq 1 900); do ready "" && ready /disagg && break; sleep 2; done
 python benchmarks/http_bench.py --url http://127.0.0.1:8000 --out "$TMP/colocated.json" "$@"
 python benchmarks/http_bench.py --url http://127.0.0.1:8000/disagg --out "$TMP/disaggregated.json" "$@"
-NAME=topology_bench; [[ " $* " == *" --trace azure "* ]] && NAME=topology_bench_azure
+# From the report, not the arguments: argparse takes --trace=azure too, and that run overwrote the unpaced one
+TRACE=$(python -c 'import json, sys; print(json.load(open(sys.argv[1]))["trace"])' "$TMP/colocated.json")
+NAME=topology_bench; [[ "$TRACE" == azure ]] && NAME=topology_bench_azure
 python benchmarks/topology_report.py "$TMP/colocated.json" "$TMP/disaggregated.json" "$OUT/$NAME.json"

@@ -297,6 +297,7 @@ def cmd_bench(args) -> None:
     report = run_bench(target, draft, tok, prompts, args.max_tokens, sizes, ks, log=lambda s: print(s, file=sys.stderr),
                        repeats=args.repeats)
     report["target"], report["draft"] = args.target, args.draft
+    report["prompts_file"] = args.prompts_file  # which text was measured: draft_confidence.py replays it
     text = json.dumps(report, indent=1)
     print(text)  # first: a failed write must not lose the run's only copy
     if args.out:
@@ -312,6 +313,7 @@ def _bench_prompts(args) -> list[str]:
     # Checked here, before the run: the report was written over the prompts file at its end.
     _not_the_prompts(args.out, args.prompts or beside, "report",
                      "the --prompts file" if args.prompts else f"{beside}, the pair's prompts")
+    args.prompts_file = str(Path(args.prompts or beside).resolve())
     return _read_prompts(args.prompts or beside)[: args.num_prompts]
 
 

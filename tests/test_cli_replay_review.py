@@ -217,3 +217,20 @@ def test_generate_clears_the_progress_bar_before_each_completion_on_a_terminal(m
     starts = [i for i in range(len(text)) if text.startswith('{"prompt"', i)]
     assert len(starts) == 3 and "generate:" in text
     assert all(i == 0 or text[i - 1] in "\r\n" for i in starts), [text[max(0, i - 30) : i] for i in starts]
+
+
+def test_a_bench_report_names_the_prompts_it_measured(tmp_path, monkeypatch, capsys):
+    """The report held only how many prompts it used, so benchmarks/draft_confidence.py replayed the pair's
+    prompts.jsonl beside a report measured on --prompts FILE, and set its model beside other text's speedups."""
+    from osd_serve import bench
+
+    monkeypatch.setattr(cli, "_load", lambda args: (None, None, None))
+    monkeypatch.setattr(bench, "run_bench", lambda *a, **k: {})
+    pair = tmp_path / "pair"
+    (pair / "target").mkdir(parents=True)
+    beside = _jsonl(pair / "prompts.jsonl", ["def f("])
+    given = _jsonl(tmp_path / "mine.jsonl", ["zzzz qqqq"])
+    args = ["bench", "--target", str(pair / "target"), "--draft", str(pair / "target")]
+    for extra, used in (([], beside), (["--prompts", given], given)):
+        cli.main([*args, *extra])
+        assert json.loads(capsys.readouterr().out)["prompts_file"] == used
