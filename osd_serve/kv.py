@@ -20,6 +20,7 @@ copies a layer's whole cache on every forward.
 from __future__ import annotations
 
 import copy
+import inspect
 
 import torch
 from transformers import DynamicCache
@@ -71,9 +72,11 @@ class GrowingLayer(DynamicLayer):
         n = self.keys.shape[-2] if self.keys.dim() == 4 else 0
         t = key_states.shape[-2]
         if not self._writable(n, t):
-            b, h, _, d = key_states.shape
             capacity = n + t + max(64, (n + t) // 2)
-            kbuf, vbuf = key_states.new_empty(b, h, capacity, d), value_states.new_empty(b, h, capacity, d)
+            # Each from its own shape: keys and values may differ in width (DeepSeek-V2/V3's MLA caches a
+            # latent as keys and the rotary part as values)
+            kbuf = key_states.new_empty(*key_states.shape[:2], capacity, key_states.shape[3])
+            vbuf = value_states.new_empty(*value_states.shape[:2], capacity, value_states.shape[3])
             if n:
                 kbuf[:, :, :n], vbuf[:, :, :n] = self.keys, self.values
             self._kbuf, self._vbuf = kbuf, vbuf
@@ -88,12 +91,17 @@ def new_cache(config) -> DynamicCache:
     ones too: their window is applied by the mask over logical positions (``window_masks``), since a
     layer that keeps only the last W columns would drop tokens once holes take some of them."""
     cache = DynamicCache(config=config)
-    for layer in cache.layers:
-        if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer):
-            raise ValueError(f"{type(layer).__name__} cache layers are not supported (holes and rollback need "
-                             f"full key/value columns)")
+    _check_layers(cache, config)
     cache.layers = [GrowingLayer() for _ in cache.layers]
     return cache
+
+
+def _check_layers(cache: DynamicCache, config) -> None:
+    for layer in cache.layers:
+        if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer):
+            raise ValueError(f"model type {getattr(config, 'model_type', '?')!r} is not supported: its "
+                             f"{type(layer).__name__} cache layers are no plain key/value columns (a recurrent "
+                             f"state, or layers sharing another's), and holes and rollback need them")
 
 
 def sliding_window(config) -> int | None:
@@ -149,6 +157,14 @@ def make_hole_safe(model) -> None:
     the physical key index; GPT-Neo's local layers, a window over physical columns; Llama-4), and sliding-window
     models on flash-attention-2, which takes no 4D mask (``window_masks``)."""
     c = getattr(model.config, "text_config", model.config)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft draft forwards **kwargs
+    # A model that takes no cache (OpenAI-GPT, RWKV, Mamba) ignored the engine's: each forward saw only its
+    # own inputs, which gave other tokens than the target's, or failed deep inside a step.
+    # The class's forward: an instance's may be a wrapper taking **kwargs (accelerate's hooks under device_map)
+    if "past_key_values" not in inspect.signature(type(base).forward).parameters:
+        raise ValueError(f"model type {c.model_type!r} is not supported: its forward takes no past_key_values "
+                         f"(speculative decoding needs a key/value cache it can roll back)")
+    _check_layers(DynamicCache(config=base.config), c)  # here, not at the first request: a server started healthy
     # Llama-4: its chunked layers build their chunks over physical columns, and its NoPE layers' attention
     # temperature scales with the cache's column count (get_seq_length), holes included
     chunked = "chunked_attention" in (getattr(c, "layer_types", None) or ()) or getattr(c, "attn_temperature_tuning", False)
@@ -269,9 +285,8 @@ class BatchKV:
         order = torch.argsort(self.valid.to(torch.int8), dim=1, stable=True)[:, self.width - new_width :]  # [B, P']
         self.col_pos = torch.gather(self.col_pos, 1, order)
         for layer in self._layers():
-            idx = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
-            layer.keys = torch.gather(layer.keys, 2, idx)
-            layer.values = torch.gather(layer.values, 2, idx)
+            layer.keys, layer.values = (torch.gather(t, 2, order[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3]))
+                                        for t in (layer.keys, layer.values))  # each its own shape (MLA)
 
     def select(self, rows: torch.Tensor, compact_above: float = 0.5) -> None:
         """Keep only ``rows`` (indices into the batch), in that order. [B']
@@ -324,12 +339,12 @@ class BatchKV:
             return out
         out.cache = _copy_cache(ref)
         for i, layer in enumerate(out.cache.layers):
-            k0 = ref.layers[i].keys  # [b, H, P, D] template for rows without a cache
+            k0, v0 = ref.layers[i].keys, ref.layers[i].values  # [b, H, P, D] templates for rows without a cache
             keys, values = [], []
             for p in parts:
                 if p.cache is None or p.cache.layers[i].keys is None:
                     keys.append(k0.new_zeros(p.batch_size, k0.shape[1], width, k0.shape[3]))
-                    values.append(keys[-1])
+                    values.append(v0.new_zeros(p.batch_size, v0.shape[1], width, v0.shape[3]))
                 else:
                     keys.append(_pad_left(p.cache.layers[i].keys, width))
                     values.append(_pad_left(p.cache.layers[i].values, width))

@@ -182,9 +182,19 @@ def load_model(name: str, role: str, device: torch.device, dtype: torch.dtype, a
 
 
 def max_positions(config) -> int:
-    """The longest sequence a model's config allows (unbounded if it names no limit)."""
+    """The longest sequence a model's config allows (unbounded if it names no limit), and for longrope
+    models (Phi-3-128k, Phi-3.5, Phi-4-mini) their original_max_position_embeddings: past it transformers
+    switches every position's rotary frequencies by the largest position in the forward's batch, so a
+    row's keys would depend on its batch-mates and on the window verified, and HF's own generate
+    recomputes its cache there. No batched output could then match the target's own decoding."""
     c = getattr(config, "text_config", config)
-    return getattr(c, "max_position_embeddings", None) or getattr(c, "n_positions", None) or 1 << 30
+    limit = getattr(c, "max_position_embeddings", None) or getattr(c, "n_positions", None) or 1 << 30
+    rope = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
+    sets = [rope] if "rope_type" in rope or "type" in rope else [r for r in rope.values() if isinstance(r, dict)]  # per layer type
+    for r in sets:
+        if (r.get("rope_type") or r.get("type")) == "longrope":
+            limit = min(limit, int(r.get("original_max_position_embeddings") or getattr(c, "original_max_position_embeddings", limit)))
+    return limit
 
 
 def pair_limits(target: str, draft: str, max_model_len: int) -> tuple[int, int]:
