@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import sysconfig
 import zlib
 from pathlib import Path
@@ -83,18 +84,23 @@ def record_where(path: str, n: int) -> str:
     return f"{path}:{n}" if path.lower().endswith((".jsonl", ".jsonl.gz")) else f"{path} record {n}"
 
 
+_BAD_BYTE = re.compile("[\udc80-\udcff]")  # what surrogateescape decodes an undecodable byte to
+
+
 def numbered_records(path: str) -> Iterator[tuple[int, object]]:
     """(n, record) as read_records: n is the line of a .jsonl, the 1-based index in a .json array."""
     name = path.lower()
     try:
         if name.endswith((".jsonl", ".jsonl.gz")):
-            # Bytes, decoded line by line: a text stream decodes blocks, so its error named no line.
-            with (gzip.open if name.endswith(".gz") else open)(path, "rb") as f:
-                for n, raw in enumerate(f, 1):
-                    try:
-                        line = raw.decode("utf-8-sig" if n == 1 else "utf-8")
-                    except UnicodeDecodeError as e:
-                        raise ValueError(f"{path}: not UTF-8 text (line {n}: {e.reason})") from None
+            # surrogateescape: a bad byte becomes a lone surrogate of its line, so the error names the line
+            # (a strict text stream decodes blocks and named none); text mode keeps \r and \r\n line ends.
+            with (gzip.open if name.endswith(".gz") else open)(path, "rt", encoding="utf-8-sig", errors="surrogateescape") as f:
+                for n, line in enumerate(f, 1):
+                    if _BAD_BYTE.search(line):
+                        try:
+                            line.encode("utf-8", "surrogateescape").decode("utf-8")
+                        except UnicodeDecodeError as e:
+                            raise ValueError(f"{path}: not UTF-8 text (line {n}: {e.reason})") from None
                     if line.strip():
                         try:
                             yield n, json.loads(line)

@@ -272,6 +272,10 @@ def check_out_dir(out_dir: str) -> None:
     if not str(out_dir).strip():
         raise ValueError("--out is empty: give the directory replay writes into")
     versions = Path(out_dir) / "versions"
+    if os.path.islink(versions) or (os.path.lexists(versions) and not versions.is_dir()):  # rmtree refuses a link,
+        # and the online run resumed from (and pruned) the store it points to; a file failed after two runs
+        raise ValueError(f"--out {out_dir}: its versions is a link or not a directory, and replay replaces it: "
+                         "remove it or give another directory")
     if os.path.lexists(versions) and not _replay_result(Path(out_dir) / "result.json"):
         raise ValueError(f"--out {out_dir}: its versions/ is not a replay's (no replay result.json beside it), and "
                          "replay replaces it: give another directory")
@@ -315,7 +319,8 @@ def replay(target, draft, tokenizer, stream: list[dict], out_dir: str, params: S
     # a store an earlier run (perhaps of another draft) left (a stop before the online run kept it).
     for stale in ("alpha.png", "loss.png"):
         (out / stale).unlink(missing_ok=True)
-    shutil.rmtree(out / "versions", ignore_errors=True)
+    if (out / "versions").exists():  # a directory (check_out_dir): a failure to remove it is said, not ignored
+        shutil.rmtree(out / "versions")
     save()
     try:
         if not skip_baselines:

@@ -234,3 +234,31 @@ def test_a_bench_report_names_the_prompts_it_measured(tmp_path, monkeypatch, cap
     for extra, used in (([], beside), (["--prompts", given], given)):
         cli.main([*args, *extra])
         assert json.loads(capsys.readouterr().out)["prompts_file"] == used
+
+
+def test_a_versions_link_or_file_is_refused(models, tmp_path):
+    """rmtree refuses a link (and the error was ignored), so the online run resumed from, and pruned, the
+    store it points to; a versions file failed only after the static and offline runs."""
+    out = tmp_path / "run"
+    _replay(models, out, ["def f("])
+    elsewhere = tmp_path / "store"
+    (out / "versions").rename(elsewhere)
+    (out / "versions").symlink_to(elsewhere)
+    with pytest.raises(ValueError, match="versions is a link or not a directory"):
+        _replay(models, out, ["def f("])
+    (out / "versions").unlink()
+    (out / "versions").write_text("")
+    with pytest.raises(ValueError, match="versions is a link or not a directory"):
+        _replay(models, out, ["def f("], skip_baselines=False)
+    assert sorted(p.name for p in elsewhere.iterdir()) == sorted(["manifest.json", ".lock", "v000000"])
+
+
+def test_jsonl_lines_may_end_in_cr_or_crlf(tmp_path):
+    """Reading bytes to name a bad byte's line split on \\n alone: a file of \\r line ends became one line."""
+    from osd_serve.corpus import read_documents
+
+    for end in ("\r", "\r\n"):
+        f = tmp_path / "d.jsonl"
+        f.write_bytes(("\ufeff" + end.join(json.dumps({"prompt": p}) for p in "ab") + end).encode())
+        assert list(read_documents(str(f))) == ["a", "b"]
+        assert [s["prompt"] for s in replay.load_stream([str(f)])] == ["a\n", "b\n"]
