@@ -311,6 +311,8 @@ class TargetVerifier:
         self.caches = SeqCaches(target, self.device, max_seqs)
 
     def verify(self, items: list[VerifyItem]) -> tuple[list[Verdict], dict[str, StepStats]]:
+        if not items:  # as propose([]) answers: max() of no k raised, after gather had detached every row
+            return [], {}
         t0 = time.perf_counter()
         dev, b = self.device, len(items)
         ids, hist = [it.seq_id for it in items], [it.history for it in items]

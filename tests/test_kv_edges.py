@@ -106,3 +106,12 @@ def test_a_sequence_twice_in_one_batch_is_recorded_once(target):
     # A's first place only: 2 tested, 2 accepted, 3 positions kept (the second place would add 1, 0, 1)
     assert (a.steps, a.tested, a.accepted, len(a.positions)) == (1, 2, 2, 3)
     assert (b.steps, b.tested, b.accepted, len(b.positions)) == (1, 3, 3, 4)
+
+
+def test_an_empty_verify_batch_is_answered_empty(target):
+    """verify([]) raised on max() of no k, having detached every held row first; propose([]) answered []."""
+    ver = TargetVerifier(target, target.config.vocab_size)
+    prompt = _prompts(target.config.vocab_size, n=1, seed=2)[0]
+    first = _verify(ver, [("s", prompt, [])])
+    assert ver.verify([]) == ([], {})
+    assert _verify(ver, [("s", prompt + first[0], [])])[0] == _hf_greedy(target, prompt, 2)[1:]
