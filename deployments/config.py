@@ -39,6 +39,20 @@ def _local_path(v: str | None) -> bool:
     return v is not None and v.startswith(("/", ".", "~"))
 
 
+def _not_a_hub_id(v: str) -> str | None:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(v)
+    except HFValidationError as e:
+        return str(e).split(". ")[0]
+    return None
+
+
+# Files and folders of versions_dir/<app>/ that are not an expert's store (deployments/distiller.py)
+RESERVED_NAMES = ("controller.json", "ray_train", "replicas")
+
+
 class ExpertConfig(_Strict):
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     # The router's classifier: an expert whose keyword occurs in the prompt (case-insensitive) wins;
@@ -62,6 +76,9 @@ class ExpertConfig(_Strict):
     def _not_a_relative_dir(cls, v: str) -> str:  # the name is a directory under versions_dir
         if set(v) == {"."}:
             raise ValueError("must not be only dots (it names a directory under versions_dir)")
+        if v in RESERVED_NAMES:  # its store would collide with the controller's files
+            raise ValueError(f"must not be one of {', '.join(RESERVED_NAMES)} (it names a directory under versions_dir, "
+                             f"beside those)")
         return v
 
 
@@ -168,6 +185,9 @@ class AppConfig(_Strict):
             v = getattr(self, key)
             if _local_path(v) and not Path(os.path.expanduser(v)).is_dir():
                 raise ValueError(f"{key}: {v!r} is not a directory (give a model directory or a hub id)")
+            if v is not None and not _local_path(v) and not Path(v).is_dir() and (why := _not_a_hub_id(v)):
+                # "models/llama/target" (a relative path without ./, not there): the replica blamed the Hub
+                raise ValueError(f"{key}: {v!r} is neither a directory nor a hub id ({why})")
         names = [e.name for e in self.experts]
         if len(set(names)) != len(names):
             raise ValueError(f"experts: names must be unique, got {names}")

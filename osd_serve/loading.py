@@ -17,7 +17,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def check_device(device: str) -> str:
     """The device setting's form (ModelConfig and the serve app's config): auto, cpu, cuda or cuda:N."""
     # a torch.device (the Python API) raised re's TypeError, which named nothing
-    if not isinstance(device, str) or device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", device):
+    # [0-9], no leading zero: torch refuses "cuda:01" and non-ASCII digits, which \d took, in the replica
+    if not isinstance(device, str) or device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:(0|[1-9][0-9]*)", device):
         raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}")
     return device
 
@@ -42,6 +43,9 @@ class ModelConfig:
         if self.attn_implementation not in ("auto", "flash_attention_2", "sdpa", "eager"):
             raise ValueError(f"attn_implementation must be auto, flash_attention_2, sdpa or eager, got {self.attn_implementation!r}")
         check_device(self.device)
+        if len(self.draft_adapters) > 1:  # peft loaded the second but kept the first active: one was ignored unsaid
+            raise ValueError(f"draft_adapters: one draft takes one adapter, got {len(self.draft_adapters)} "
+                             f"({', '.join(self.draft_adapters)}); serve several as the serve config's experts")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r}: CUDA is not available on this machine (torch {torch.__version__})")
         # cuda:N past the visible devices failed only at model.to(), after the weights loaded, with torch's
@@ -246,7 +250,7 @@ def adapter_dir_problem(path: str) -> str | None:
     # An expert's adapter is merged into its draft. Prompt-learning adapters have no weights to merge
     # (an AttributeError in the replica), and Poly, Lily, ShadowPEFT and bias-only BEFT raise in
     # merge_and_unload: only types seen to merge pass.
-    if kind not in MERGEABLE_PEFT_TYPES:
+    if not isinstance(kind, str) or kind not in MERGEABLE_PEFT_TYPES:  # a list is unhashable: a traceback at serve run
         return f"has peft_type {kind!r}, whose adapters cannot be merged into the draft (allowed: " \
                f"{', '.join(sorted(MERGEABLE_PEFT_TYPES))})"
     return None
@@ -255,7 +259,7 @@ def adapter_dir_problem(path: str) -> str | None:
 def attach_adapter(draft, name: str, path: str):
     """Attach a LoRA adapter to the draft with peft. safetensors only: a pickled adapter is refused
     (peft prefers adapter_model.safetensors when it exists, and we refuse directories without one)."""
-    from peft import PeftModel
+    from peft import PeftConfig, PeftModel, get_peft_model
 
     if why := adapter_dir_problem(path):
         raise ValueError(f"adapter {name!r}: {path!r} {why}")
@@ -264,12 +268,21 @@ def attach_adapter(draft, name: str, path: str):
     if isinstance(draft, PeftModel) and peft_name in draft.peft_config:  # "a.b" after "a_b" replaced it
         raise ValueError(f"adapter {name!r}: the draft already has an adapter named {peft_name!r}")
     try:
-        if isinstance(draft, PeftModel):
-            draft.load_adapter(str(p), adapter_name=peft_name)
-            return draft
-        return PeftModel.from_pretrained(draft, str(p), adapter_name=peft_name).eval()
+        if not isinstance(draft, PeftModel):  # what PeftModel.from_pretrained does, keeping load_adapter's result
+            draft = get_peft_model(draft, PeftConfig.from_pretrained(str(p)), adapter_name=peft_name)
+        loaded = draft.load_adapter(str(p), adapter_name=peft_name)
     except Exception as e:  # e.g. a LoRA trained on another base: peft's size-mismatch RuntimeError
-        raise ValueError(f"adapter {name!r} at {path!r} does not fit the draft: {str(e).splitlines()[0]}") from e
+        lines = str(e).splitlines() or [type(e).__name__]
+        why = next((ln.strip() for ln in lines if "size mismatch" in ln), lines[0])  # the first line names no tensor
+        raise ValueError(f"adapter {name!r} at {path!r} does not fit the draft: {why}") from e
+    # peft loads non-strictly: an adapter of a deeper base (same widths) lost its extra layers' tensors
+    # without a word, and a shallower one left layers at their initial weights with only a warning.
+    if loaded.unexpected_keys or loaded.missing_keys:
+        extra, missing = loaded.unexpected_keys, loaded.missing_keys
+        raise ValueError(f"adapter {name!r} at {path!r} does not fit the draft: {len(extra)} of its tensors have no "
+                         f"place in it{f' (e.g. {extra[0]})' if extra else ''} and {len(missing)} of the draft's adapter "
+                         f"weights are not in it{f' (e.g. {missing[0]})' if missing else ''}: was it trained on another base?")
+    return draft.eval()
 
 
 def pack_target(target, cfg: ModelConfig) -> int:

@@ -25,8 +25,10 @@ from .telemetry import Telemetry
 
 def model_paths(cfg) -> tuple[str, str]:
     """cfg.target/draft, or the embedded default pair, built first (progress on stderr) if missing."""
-    if cfg.target is not None:
-        return cfg.target, cfg.draft
+    if cfg.target is not None:  # expanded: the Ray controller's from_pretrained took ~/d for a bad hub id
+        from .loading import expand
+
+        return expand(cfg.target), expand(cfg.draft)
     from .bootstrap import build_pair
 
     pair = build_pair()
