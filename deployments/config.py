@@ -45,7 +45,7 @@ def _not_a_hub_id(v: str) -> str | None:
     try:
         validate_repo_id(v)
     except HFValidationError as e:
-        return str(e).split(". ")[0]
+        return str(e).split(": '")[0].rstrip(".")  # its reason, without the id echoed back
     return None
 
 

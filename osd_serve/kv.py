@@ -158,6 +158,7 @@ def make_hole_safe(model) -> None:
     models on flash-attention-2, which takes no 4D mask (``window_masks``)."""
     c = getattr(model.config, "text_config", model.config)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft draft forwards **kwargs
+    base = getattr(base, "_orig_mod", base)  # and so does torch.compile's OptimizedModule
     # A model that takes no cache (OpenAI-GPT, RWKV, Mamba) ignored the engine's: each forward saw only its
     # own inputs, which gave other tokens than the target's, or failed deep inside a step.
     # The class's forward: an instance's may be a wrapper taking **kwargs (accelerate's hooks under device_map)

@@ -6,6 +6,7 @@ import functools
 import json
 import os
 import re
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -269,7 +270,11 @@ def attach_adapter(draft, name: str, path: str):
         raise ValueError(f"adapter {name!r}: the draft already has an adapter named {peft_name!r}")
     try:
         if not isinstance(draft, PeftModel):  # what PeftModel.from_pretrained does, keeping load_adapter's result
-            draft = get_peft_model(draft, PeftConfig.from_pretrained(str(p)), adapter_name=peft_name)
+            config = PeftConfig.from_pretrained(str(p))
+            config.inference_mode = True  # as from_pretrained forces: a config saying false made the adapter trainable
+            with warnings.catch_warnings():  # from_pretrained does not say its base path was another's either
+                warnings.filterwarnings("ignore", message=".*base_model_name_or_path.*")
+                draft = get_peft_model(draft, config, adapter_name=peft_name)
         loaded = draft.load_adapter(str(p), adapter_name=peft_name)
     except Exception as e:  # e.g. a LoRA trained on another base: peft's size-mismatch RuntimeError
         lines = str(e).splitlines() or [type(e).__name__]

@@ -71,12 +71,13 @@ def test_models_without_a_rollback_cache_are_refused_when_the_engine_is_built(to
         SpecEngine(jamba, jamba, tok, EngineConfig())
 
 
-def test_a_lora_wrapped_draft_passes_the_cache_check(tok):
-    """peft's forward takes **kwargs: the check reads the wrapped model's own."""
+def test_a_lora_wrapped_or_compiled_model_passes_the_cache_check(tok):
+    """peft's and torch.compile's forwards take **kwargs / *input: the check reads the wrapped model's own."""
     from peft import LoraConfig, get_peft_model
 
     wrapped = get_peft_model(llama(len(tok), seed=1), LoraConfig(r=2, target_modules=["q_proj"]))
     make_hole_safe(wrapped)
+    make_hole_safe(torch.compile(llama(len(tok), seed=1), backend="eager"))  # OptimizedModule.forward(*input) too
 
 
 def test_longrope_models_serve_up_to_their_original_context(tok):

@@ -49,8 +49,12 @@ def test_an_adapter_of_another_depth_is_refused_not_half_loaded(tmp_path):
         attach_adapter(draft(), "x", deeper)
     with pytest.raises(ValueError, match=r"does not fit the draft: 0 of its tensors .* and 4 of the draft's adapter weights are not in it"):
         attach_adapter(draft(), "x", shallower)
-    same = attach_adapter(draft(), "x", _adapter(tmp_path / "same", layers=2))
+    same_dir = _adapter(tmp_path / "same", layers=2)
+    cfg = tmp_path / "same" / "adapter_config.json"  # as from_pretrained, served adapters never train
+    cfg.write_text(json.dumps(json.loads(cfg.read_text()) | {"inference_mode": False}))
+    same = attach_adapter(draft(), "x", same_dir)
     assert sum("lora_A" in n for n, _ in same.named_parameters()) == 4
+    assert not any(p.requires_grad for p in same.parameters())
     wider = _adapter(tmp_path / "wide", layers=2, hidden=64)  # a real shape mismatch names the tensor, not peft's header line
     with pytest.raises(ValueError, match="does not fit the draft: size mismatch for .*lora_A"):
         attach_adapter(draft(), "x", wider)
@@ -69,6 +73,8 @@ def test_a_model_that_is_neither_a_directory_nor_a_hub_id_is_refused_at_parse(tm
     for bad in ("models/llama/target", "my model", " "):
         with pytest.raises(ValueError, match=f"target: {bad!r} is neither a directory nor a hub id"):
             parse_config({"target": bad, "draft": "gpt2"})
+    with pytest.raises(ValueError, match=r"\(Cannot have -- or \.\. in repo_id\)"):  # the reason whole
+        parse_config({"target": "org/na--me", "draft": "gpt2"})
     assert parse_config({"target": "meta-llama/Llama-3.1-8B", "draft": "gpt2"}).target == "meta-llama/Llama-3.1-8B"
     (tmp_path / "models" / "llama" / "target").mkdir(parents=True)  # there after all: a local directory
     assert parse_config({"target": "models/llama/target", "draft": "gpt2"}).target == "models/llama/target"
