@@ -261,3 +261,44 @@ def test_a_failed_update_leaves_its_trigger_due_and_the_loop_backs_off_per_exper
     dist._loop()
     assert [t for t, e in calls if e == "a"] == [1.0, 6.0, 16.0, 36.0]
     assert [t for t, e in calls if e == "b"] == [float(t) for t in range(1, 41)]  # every poll, never held up
+
+
+def test_a_late_clear_keeps_what_a_replica_of_the_same_draft_published(tmp_path, monkeypatch):
+    """Two replicas of a new draft both saw the old draft's store. The first cleared it and published, and a
+    version was trained from that; the second's clear, which checked outside the lock, then deleted both and
+    restarted the numbering under watchers serving those numbers."""
+    from osd_serve.distill.versions import VersionWatcher
+
+    old, new = {"w": torch.zeros(4)}, {"w": torch.ones(4)}
+    VersionStore(tmp_path / "e").publish(old, draft=draft_fingerprint(old))
+    real_clear, raced = VersionStore.clear, []
+
+    def clear_after_the_other_replica(self, unless_draft=None):
+        if not raced:  # the first replica to clear: the other one gets in between its check and its clear
+            raced.append(True)
+            first = VersionWatcher(tmp_path, None, poll_s=3600)
+            assert first.watch("e", lambda: new)[0] == 0
+            first.close()
+            trained = VersionStore(tmp_path / "e").publish({"w": torch.full((4,), 2.0)}, expect_current=0,
+                                                           expect_draft=draft_fingerprint(new))
+            assert trained == 1
+        return real_clear(self) if unless_draft is None else real_clear(self, unless_draft)
+
+    monkeypatch.setattr(VersionStore, "clear", clear_after_the_other_replica)
+    second = VersionWatcher(tmp_path, None, poll_s=3600)
+    version, state = second.watch("e", lambda: new)
+    second.close()
+    assert version == 1 and torch.equal(state["w"], torch.full((4,), 2.0))
+    assert VersionStore(tmp_path / "e").versions == [0, 1]
+
+
+def test_a_version_a_killed_publisher_left_unlisted_is_removed(tmp_path):
+    """Killed between its rename and its manifest write (or before deleting what it pruned), a publisher
+    left a whole draft's directory that no manifest lists, so no prune ever removed it."""
+    store = VersionStore(tmp_path, keep_last=1)
+    store.publish({"w": torch.zeros(4)})
+    (tmp_path / "v000007").mkdir()  # the killed publisher's renamed version
+    (tmp_path / "v000007" / "draft.safetensors").write_bytes(b"x" * 100)
+    assert store.publish({"w": torch.ones(4)}) == 8  # numbered above it: no number goes back
+    # v0 stays as v8's parent (the version a rollback goes to); the orphan goes
+    assert sorted(p.name for p in tmp_path.glob("v*")) == ["v000000", "v000008"] and store.versions == [0, 8]

@@ -66,9 +66,9 @@ class OnlineDistiller:
         if store.current is not None and store.manifest.get("draft", base) != base:
             # Versions of another draft (a redeploy changed it, or an adapter): same shapes would load
             # without complaint and serve the wrong model's weights. They are no use to this one.
-            logger.warning("versions under %s belong to another draft (or this one loaded in float16, whose rounding "
-                           "differs); starting from version 0", store.root)
-            store.clear()
+            if store.clear(unless_draft=base):  # under the store's lock: unless it holds this draft's by now
+                logger.warning("versions under %s belonged to another draft (or this one loaded in float16, whose "
+                               "rounding differs); starting from version 0", store.root)
         if store.current is None:  # version 0: the draft we started from, so rollback can reach it
             store.publish(trainer.serving_state(), {"reason": "initial draft"}, draft=base)
             self._adapter_base = store.current

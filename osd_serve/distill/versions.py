@@ -170,6 +170,11 @@ class VersionStore:
         version = max(self.manifest["versions"] + on_disk, default=-1) + 1
         for orphan in self.root.glob(".tmp-v*"):  # under the store's lock: a killed publisher's, never a live one's
             shutil.rmtree(orphan, ignore_errors=True)
+        # Versions no manifest lists: a publisher killed between its rename and its manifest write, or before
+        # its pruned versions went. No reader ever loaded one; each is a whole draft left on disk for good.
+        for orphan in self.root.glob("v[0-9]*"):
+            if orphan.name[1:].isdigit() and int(orphan.name[1:]) not in self.manifest["versions"]:
+                shutil.rmtree(orphan, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=".tmp-v", dir=self.root))
         try:
             save_file({n: t.detach().cpu().contiguous() for n, t in state.items()}, str(tmp / "draft.safetensors"))
@@ -266,13 +271,19 @@ class VersionStore:
             self.manifest["draft"] = fingerprint
             self._write_manifest()
 
-    def clear(self) -> None:
-        """Remove every version (the store held another draft's)."""
+    def clear(self, unless_draft: str | None = None) -> bool:
+        """Remove every version (the store held another draft's); returns whether it did. unless_draft: keep
+        them if the store holds that draft's by now. Checked under the lock: two replicas of a new draft
+        both saw the old one's, and the later clear deleted what the first had published since (and a
+        version trained from it), restarting the numbering under a watcher serving that number."""
         with self._locked():
+            if unless_draft is not None and (self.current is None or self.manifest.get("draft", unless_draft) == unless_draft):
+                return False
             for v in self.manifest["versions"]:
                 shutil.rmtree(self.path(v), ignore_errors=True)
             self.manifest = {"current": None, "versions": []}
             self._write_manifest()
+            return True
 
 
 class VersionWatcher:
@@ -306,8 +317,8 @@ class VersionWatcher:
         if store.refresh() is not None and store.manifest.get("draft", base) != base:
             # As OnlineDistiller does: versions of another draft (a redeploy changed it) would load
             # without complaint where the shapes match and serve the old draft's weights.
-            logger.warning("versions under %s belong to another draft; starting from version 0", store.root)
-            store.clear()
+            if store.clear(unless_draft=base):  # unless another replica of this draft cleared and published first
+                logger.warning("versions under %s belonged to another draft; starting from version 0", store.root)
         state = None
         initial = {n: t.clone() for n, t in draft.items()} if store.refresh() is None else None
         if initial is None or store.publish(initial, {"reason": "initial draft"}, expect_current=None, draft=base) is None:
