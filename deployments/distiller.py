@@ -281,11 +281,13 @@ class DistillController:
             for expert, why in due.items():
                 if not backoff.ready(expert):
                     continue  # its job failed lately; its trigger stays due (rearm)
-                plan = plan_workers(idle_per_node(), self.serve_load(), self.settings["max_workers"])
-                if plan is None:
-                    continue  # no spare capacity: the trigger stays due, retried next poll
-                self.state = f"training {expert} on {plan}"
                 try:
+                    # Inside the try: idle_per_node reads Ray's control store, and one failed read ended this
+                    # thread for good while the actor stayed up, idle, with no error to show.
+                    plan = plan_workers(idle_per_node(), self.serve_load(), self.settings["max_workers"])
+                    if plan is None:
+                        continue  # no spare capacity: the trigger stays due, retried next poll
+                    self.state = f"training {expert} on {plan}"
                     self.events.append(self._update(expert, why, plan))
                     backoff.succeeded(expert)
                 except Exception as e:  # noqa: BLE001  the controller outlives one failed job
@@ -345,7 +347,13 @@ class DistillController:
                                             "serving": verdict.serving}, expect_current=base, expect_draft=base_draft)
             reason = reason if version is not None else f"version {base} is no longer current (rolled back or replaced)"
             if version is not None:  # refs in a list: Ray passes them through unresolved
-                ray.get(self.buffer.retire.remote(expert, [refs[i] for i in split[0] if flags[i]]))
+                try:
+                    ray.get(self.buffer.retire.remote(expert, [refs[i] for i in split[0] if flags[i]]))
+                except Exception as e:  # noqa: BLE001  published: failing the job here rearmed its window, and the
+                    # same records were trained again over the version that holds them. A restarted buffer
+                    # holds none of them anyway.
+                    logger.warning("distill controller: %s: version %s published, retiring its guard samples failed: %r",
+                                   expert, version, e)
         return {"expert": expert, "trigger": why, "plan": plan, "published": version is not None, "reason": reason,
                 "version": version, "candidate": verdict.candidate, "serving": verdict.serving, "time": t0,
                 "steps": metrics.get("steps"), "loss_first": metrics.get("loss_first"), "loss_last": metrics.get("loss_last"),

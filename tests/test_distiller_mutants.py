@@ -439,3 +439,43 @@ def test_a_controller_that_does_not_answer_does_not_hold_admin_experts(monkeypat
     monkeypatch.setattr(dist, "REPORT_TIMEOUT_S", 0.05)
     controller = SimpleNamespace(report=SimpleNamespace(remote=never))
     assert asyncio.run(dist.controller_report(controller)) == {"error": "the distill controller did not answer (TimeoutError)"}
+
+
+def test_a_failed_capacity_read_costs_one_poll_not_the_loop(plain_ray, monkeypatch, tmp_path, draft_dir):
+    """idle_per_node reads Ray's control store outside the loop's try: one failed read ended the loop thread
+    for good, while the actor stayed up showing an idle controller with no error."""
+    ctrl, trains, _ = _controller(plain_ray, monkeypatch, tmp_path, draft_dir)
+    _fill(plain_ray, 12, heldout=4)
+    reads = iter([ConnectionError("GCS unavailable (transient)")])
+
+    def idle():
+        if (e := next(reads, None)) is not None:
+            raise e
+        return [{"GPU": 16.0}]
+
+    monkeypatch.setattr(dist, "idle_per_node", idle)
+    monkeypatch.setattr(ctrl.backoff, "ready", lambda expert: True)  # the retry at the next poll, not 5 s later
+    ctrl._stop = _polls(2)
+    ctrl._loop(0)
+    events = ctrl.history()
+    assert "GCS unavailable" in events[0]["error"] and events[1]["published"] is True and len(trains) == 1
+    assert ctrl.status()["state"] == "idle"
+
+
+def test_a_published_job_whose_retire_fails_is_not_trained_again(plain_ray, monkeypatch, tmp_path, draft_dir):
+    """The buffer restarting as a job retired its guard samples failed the job after it had published: the
+    window was rearmed, so the same records were trained again over the version that holds them."""
+    from osd_serve.distill.versions import VersionStore
+
+    ctrl, trains, _ = _controller(plain_ray, monkeypatch, tmp_path, draft_dir)
+    _fill(plain_ray, 12, heldout=4)
+
+    def restarting(*a):
+        raise ConnectionError("buffer actor restarting")
+
+    monkeypatch.setattr(ctrl.buffer, "retire", type(ctrl.buffer.retire)(remote=restarting))
+    ctrl._stop = _polls(2)
+    ctrl._loop(0)
+    assert VersionStore(tmp_path / "versions" / "default").versions == [0, 1]
+    assert [e.get("published") for e in ctrl.history()] == [True] and len(trains) == 1
+    assert plain_ray.due() == {}
