@@ -120,12 +120,6 @@ def _read_prompts(path: str, field: str = "prompt") -> list[str]:
     return [p for _, p in _read_numbered(path, field)]
 
 
-def _max_tokens_fit(max_tokens: int, max_model_len: int, whose: str) -> None:
-    """An option error, before the prompts: it was found at the first prompt and blamed on its line."""
-    if max_tokens >= max_model_len:
-        raise ValueError(f"--max-tokens {max_tokens} leaves no room for a prompt within {whose} max_model_len {max_model_len}")
-
-
 def _check_seed_range(seed: int | None, n: int) -> None:
     """Prompt i runs with seed + i: the last one must fit too, or it fails with a seed never given."""
     if seed is not None and seed + n - 1 >= SEED_RANGE[1]:  # SamplingParams checks the seed itself
@@ -179,6 +173,7 @@ def cmd_generate(args) -> None:
 
     from .config import EngineConfig, SamplingParams
     from .engine import SpecEngine
+    from .output import check_room
 
     _writable(args.out)
     _not_the_prompts(args.out, args.prompts, "completions")
@@ -190,13 +185,13 @@ def cmd_generate(args) -> None:
             seed=args.seed, num_speculative_tokens=args.num_speculative_tokens,
         )
         engine_cfg = EngineConfig(max_batch_size=args.batch_size)
-        _max_tokens_fit(args.max_tokens, engine_cfg.max_model_len, "the engine's")
+        check_room(args.max_tokens, engine_cfg.max_model_len, "--max-tokens", "the engine's ")
     except ValueError as e:
         raise SystemExit(f"error: {e}")
     target, draft, tok = _load(args)
     try:
         engine = SpecEngine(target, draft, tok, engine_cfg)
-        _max_tokens_fit(args.max_tokens, engine.max_model_len, "the pair's")
+        check_room(args.max_tokens, engine.max_model_len, "--max-tokens", "the pair's ")
     except ValueError as e:
         raise SystemExit(f"error: {e}")
     reqs = []
@@ -325,6 +320,7 @@ def cmd_replay(args) -> None:
     from .distill.recorder import RecordConfig
     from .distill.replay import BufferConfig
     from .distill.trainer import TrainConfig
+    from .output import check_room
     from .replay import check_out_dir, load_stream, replay
 
     if args.threads:
@@ -346,7 +342,7 @@ def cmd_replay(args) -> None:
         record = RecordConfig(keep=args.keep, topk=args.topk)
         guard = GuardConfig(tolerance=args.guard_tolerance)
         check_out_dir(args.out)
-        _max_tokens_fit(args.max_tokens, EngineConfig().max_model_len, "the engine's")
+        check_room(args.max_tokens, EngineConfig().max_model_len, "--max-tokens", "the engine's ")
     except (ValueError, OSError) as e:
         raise SystemExit(f"error: {e}")
     _out_dir(args.out)

@@ -90,18 +90,9 @@ def new_cache(config) -> DynamicCache:
     """A ``DynamicCache`` for ``config`` whose layers append in place. Sliding-window layers become full
     ones too: their window is applied by the mask over logical positions (``window_masks``), since a
     layer that keeps only the last W columns would drop tokens once holes take some of them."""
-    cache = DynamicCache(config=config)
-    _check_layers(cache, config)
+    cache = DynamicCache(config=config)  # its layer types were checked once, by make_hole_safe
     cache.layers = [GrowingLayer() for _ in cache.layers]
     return cache
-
-
-def _check_layers(cache: DynamicCache, config) -> None:
-    for layer in cache.layers:
-        if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer):
-            raise ValueError(f"model type {getattr(config, 'model_type', '?')!r} is not supported: its "
-                             f"{type(layer).__name__} cache layers are no plain key/value columns (a recurrent "
-                             f"state, or layers sharing another's), and holes and rollback need them")
 
 
 def sliding_window(config) -> int | None:
@@ -165,7 +156,12 @@ def make_hole_safe(model) -> None:
     if "past_key_values" not in inspect.signature(type(base).forward).parameters:
         raise ValueError(f"model type {c.model_type!r} is not supported: its forward takes no past_key_values "
                          f"(speculative decoding needs a key/value cache it can roll back)")
-    _check_layers(DynamicCache(config=base.config), c)  # here, not at the first request: a server started healthy
+    # Here, once, not at the first request (a server started healthy, then failed every request)
+    for layer in DynamicCache(config=base.config).layers:
+        if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer):
+            raise ValueError(f"model type {c.model_type!r} is not supported: its {type(layer).__name__} cache layers are "
+                             f"no plain key/value columns (a recurrent state, or layers sharing another's), and holes "
+                             f"and rollback need them")
     # Llama-4: its chunked layers build their chunks over physical columns, and its NoPE layers' attention
     # temperature scales with the cache's column count (get_seq_length), holes included
     chunked = "chunked_attention" in (getattr(c, "layer_types", None) or ()) or getattr(c, "attn_temperature_tuning", False)

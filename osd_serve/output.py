@@ -21,13 +21,19 @@ class Prompt(NamedTuple):
     ids: list[int]
 
 
+def check_room(max_tokens: int | None, max_model_len: int, name: str = "max_tokens", whose: str = "") -> None:
+    """max_tokens must leave a prompt at least one position; name and whose word it as an option (the CLI's
+    --max-tokens, said once before any prompt rather than blamed on the first)."""
+    if max_tokens is not None and max_tokens >= max_model_len:
+        raise ValueError(f"{name} {max_tokens} leaves no room for a prompt within {whose}max_model_len {max_model_len}")
+
+
 def check_prompt(tokenizer, vocab: int, max_model_len: int, prompt, params: SamplingParams) -> Prompt:
     """(text, ids) of a prompt given as text or token ids, or ValueError saying what is wrong with it.
     Tokenizing a long prompt takes seconds: servers call this in a thread (``asyncio.to_thread``), not
     on their event loop or the engine loop, where it would stall every other request."""
     params.validate()
-    if params.max_tokens is not None and params.max_tokens >= max_model_len:
-        raise ValueError(f"max_tokens {params.max_tokens} leaves no room for a prompt within max_model_len {max_model_len}")
+    check_room(params.max_tokens, max_model_len)
     if isinstance(prompt, str):
         try:
             text, ids = prompt, tokenizer.encode(prompt)

@@ -43,7 +43,7 @@ from .distill.replay import BufferConfig, ReplayBuffer
 from .distill.trainer import DistillTrainer, TrainConfig
 from .distill.versions import VersionStore
 from .engine import SpecEngine
-from .output import check_prompt
+from .output import check_prompt, check_room
 
 
 def _records(path: str) -> list[tuple[str, object]]:
@@ -229,9 +229,7 @@ def save_result(result: dict, path: Path) -> None:
 
 def check_stream(engine: SpecEngine, stream: list[dict], params: SamplingParams) -> None:
     """Every prompt fits the pair with max_tokens, before the first run, naming its file and line."""
-    if params.max_tokens is not None and params.max_tokens >= engine.max_model_len:  # no prompt's fault: was blamed on the first
-        raise ValueError(f"--max-tokens {params.max_tokens} leaves no room for a prompt within the pair's "
-                         f"max_model_len {engine.max_model_len}")
+    check_room(params.max_tokens, engine.max_model_len, "--max-tokens", "the pair's ")  # no prompt's fault
     for s in stream:
         try:
             check_prompt(engine.tokenizer, engine.vocab, engine.max_model_len, s["prompt"], params)

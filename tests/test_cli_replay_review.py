@@ -23,6 +23,7 @@ from osd_serve.distill.replay import BufferConfig, make_record
 from osd_serve.distill.trainer import DistillTrainer, TrainConfig
 from osd_serve.engine import SpecEngine
 from tests.conftest import llama, perturbed
+from tests.test_cli_inputs import _error, _jsonl
 
 
 @pytest.fixture(scope="module")
@@ -36,19 +37,6 @@ def _no_load(monkeypatch):
         raise AssertionError("the pair loaded before the options were checked")
 
     monkeypatch.setattr(cli, "_load", load)
-
-
-def _error(argv, capsys) -> str:
-    with pytest.raises(SystemExit) as e:
-        cli.main(argv)
-    err = capsys.readouterr().err + str(e.value.code)
-    assert e.value.code != 0 and "Traceback" not in err, err
-    return err
-
-
-def _jsonl(path, prompts) -> str:
-    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts), encoding="utf-8")
-    return str(path)
 
 
 def _replay(models, out, prompts, skip_baselines=True, max_tokens=4):
