@@ -136,6 +136,10 @@ class AppConfig(_Strict):
     # benchmarks/results/disagg_overhead.json).
     draft_ahead: bool | Literal["auto"] = "auto"
     batch_wait_timeout_s: YamlFloat = Field(0.002, ge=0, le=1)  # disaggregated: @serve.batch's wait for a fuller batch
+    # A replica whose torch thread has run one call (an engine step, a propose or verify batch) this
+    # long fails its health checks, so /health reads 503 and Serve replaces it: a hung device call
+    # raises nothing. Generous: a long prompt's prefill on CPU takes seconds. None: never.
+    stall_timeout_s: YamlFloat | None = Field(300.0, gt=0, allow_inf_nan=False)
     experts: list[ExpertConfig] = [ExpertConfig(name="default")]
     default_expert: str = "default"
     max_batch_size: int = Field(8, ge=1, le=256)

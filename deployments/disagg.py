@@ -32,6 +32,7 @@ from osd_serve.config import SamplingParams
 from osd_serve.disagg import DraftWorker, ProposeItem, Proposal, TargetVerifier, Verdict, VerifyItem, run_request
 from osd_serve.distill.versions import VersionStore
 from osd_serve.output import Request, finish_counts, fit_max_tokens
+from osd_serve.serving import StallWatch
 
 from .app import Readiness
 from .config import AppConfig, replica_app, versions_root
@@ -81,15 +82,32 @@ def _versions_dir(cfg: AppConfig) -> Path:
 
 
 class _Batched:
-    """Applies the config's batch size and wait to a replica's @serve.batch method."""
+    """Applies the config's batch size and wait to a replica's @serve.batch method, and runs its torch
+    work on one thread whose calls the health check times."""
 
     def _configure(self, method, cfg: AppConfig) -> None:
         method.set_max_batch_size(cfg.max_batch_size)
         method.set_batch_wait_timeout_s(cfg.batch_wait_timeout_s)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="osd-torch")
+        self.stall = StallWatch(cfg.stall_timeout_s)
+
+    def _timed(self, fn, *args):  # on the torch thread
+        with self.stall.running():
+            return fn(*args)
+
+    def _submit(self, fn, *args) -> asyncio.Future:
+        return asyncio.get_running_loop().run_in_executor(self.pool, self._timed, fn, *args)
 
     async def _run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+        return await self._submit(fn, *args)
+
+    async def check_health(self) -> None:
+        # Serve's probe: a torch call hung past stall_timeout_s (the event loop stays free, so Serve's
+        # own liveness ping passes) has the replica replaced; its requests' calls then fail, and the
+        # router ends them with finish_reason "error" instead of leaving them waiting.
+        why = self.stall.stalled()
+        if why is not None:
+            raise RuntimeError(why)
 
 
 @serve.deployment(name="DraftPool", max_ongoing_requests=256)
@@ -116,7 +134,7 @@ class DraftPool(_Batched):
         worker = self.workers.get(expert)
         if worker is None:  # evicted since the watcher asked: loaded again, watch() gives it the current version
             return
-        self.pool.submit(worker.swap, state, version).result()
+        self.pool.submit(self._timed, worker.swap, state, version).result()
 
     @serve.multiplexed(max_num_models_per_replica=64)
     async def get_worker(self, expert: str) -> DraftWorker:
@@ -144,7 +162,7 @@ class DraftPool(_Batched):
     async def propose(self, items: list[ProposeItem]) -> list[Proposal]:
         worker = await self.get_worker(serve.get_multiplexed_model_id())
         out = await self._run(self._propose, worker, items)
-        ahead = asyncio.get_running_loop().run_in_executor(self.pool, worker.draft_ahead)  # overlaps verification
+        ahead = self._submit(worker.draft_ahead)  # overlaps verification
         ahead.add_done_callback(_report_ahead)  # not awaited: its failure would otherwise go unseen
         return out
 

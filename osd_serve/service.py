@@ -95,7 +95,8 @@ class SpecService:
 
     def _start(self, drafts: dict, econf: EngineConfig, record_sink, private_versions: bool) -> None:
         cfg, replica_tag = self.cfg, self.replica_tag
-        self.server = AsyncSpecServer(self.target, self.tokenizer, drafts, econf, on_step=self.telemetry.on_step)
+        self.server = AsyncSpecServer(self.target, self.tokenizer, drafts, econf, on_step=self.telemetry.on_step,
+                                      stall_timeout_s=cfg.stall_timeout_s)
         d = cfg.distill
         if d.enabled and record_sink is not None:
             self._watch_versions(self.versions_dir, record_sink, RecordConfig(keep=d.keep, topk=d.record_topk))
@@ -145,8 +146,9 @@ class SpecService:
 
     async def ready(self) -> None:
         """Raises unless the engine loop runs (what /health reports); no warnings to give."""
-        if not self.server.alive():
-            raise RuntimeError(self.server.broken or "the engine loop is not running")
+        why = self.server.health()
+        if why is not None:
+            raise RuntimeError(why)
 
     async def stream(self, expert: str, prompt, params: SamplingParams) -> AsyncIterator[dict]:
         """prompt: text, token ids, or chat messages [{"role", "content"}] (rendered here)."""

@@ -19,6 +19,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from .config import EngineConfig, SamplingParams
@@ -37,10 +38,36 @@ class _Add:
     future: concurrent.futures.Future
 
 
+class StallWatch:
+    """How long the torch call now running on one thread has run. A hung device call (a CUDA hang, a
+    collective waiting on a dead peer) raises nothing: without this a replica whose torch thread hung
+    answered every health check while its requests waited until their clients left."""
+
+    def __init__(self, limit_s: float | None):
+        self.limit_s = limit_s  # None: never stalled
+        self._since: float | None = None  # monotonic start of the call running now; one thread runs them
+
+    @contextmanager
+    def running(self):
+        self._since = time.monotonic()
+        try:
+            yield
+        finally:
+            self._since = None
+
+    def stalled(self) -> str | None:
+        """Why the thread counts as hung, or None."""
+        since = self._since  # read once: the thread may clear it meanwhile
+        if self.limit_s is None or since is None or time.monotonic() - since <= self.limit_s:
+            return None
+        return f"a torch call has run for {time.monotonic() - since:.0f} s (stall_timeout_s is {self.limit_s:g})"
+
+
 class AsyncSpecServer:
     def __init__(self, target, tokenizer, drafts: dict[str, object], config: EngineConfig | None = None,
-                 on_step: Callable[[str, StepStats], None] | None = None):
-        """drafts: expert name -> draft model (e.g. the base draft with that expert's adapter merged)."""
+                 on_step: Callable[[str, StepStats], None] | None = None, stall_timeout_s: float | None = None):
+        """drafts: expert name -> draft model (e.g. the base draft with that expert's adapter merged).
+        stall_timeout_s: a step running longer makes the server unhealthy (``health``); None: never."""
         if not drafts:
             raise ValueError("at least one draft expert is needed")
         self.target, self.tokenizer, self.config = target, tokenizer, config or EngineConfig()
@@ -54,6 +81,7 @@ class AsyncSpecServer:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self.broken: str | None = None  # why an engine could not be reset after a failed step (alive() is then False)
+        self.stall = StallWatch(stall_timeout_s)
         # Held while checking _stop and putting an add, and while setting _stop: no add can land in
         # the inbox after the loop's last drain (its caller would wait forever).
         self._closing = threading.Lock()
@@ -115,9 +143,15 @@ class AsyncSpecServer:
         self._inbox.put(("abort", request_id))
         self._wake.set()
 
+    def health(self) -> str | None:
+        """Why the server cannot serve, or None: the loop thread runs, was not told to stop (no step's
+        failure ends it), no engine failed its reset and no step has run past stall_timeout_s."""
+        if not self._thread.is_alive() or self._stop.is_set():
+            return "the engine loop is not running"
+        return self.broken or self.stall.stalled()
+
     def alive(self) -> bool:
-        """The loop thread runs, was not told to stop (no step's failure ends it), and no engine failed its reset."""
-        return self._thread.is_alive() and not self._stop.is_set() and self.broken is None
+        return self.health() is None
 
     def close(self) -> None:
         """Stop the loop. Requests it still held end with finish_reason 'error' and queued adds fail
@@ -186,7 +220,8 @@ class AsyncSpecServer:
             return
         for name, eng in busy:
             try:
-                deltas, stats = eng.step()
+                with self.stall.running():
+                    deltas, stats = eng.step()
             except Exception as e:  # noqa: BLE001  a failed step must end its requests, never hang them
                 self._fail(name, eng, e)
                 continue

@@ -57,6 +57,7 @@ def test_engine_config_bounds(field, bad, good):
     ({"num_speculative_tokens": "auto", "topology": "disaggregated", "distill": {"backend": "ray_train"}},
      "num_speculative_tokens: 'auto' needs the colocated topology"),
     ({"batch_wait_timeout_s": 1.5}, "batch_wait_timeout_s"),
+    ({"stall_timeout_s": 0}, "stall_timeout_s"),
     ({"distill": {"record_topk": -1}}, r"distill\.record_topk"),
 ])
 def test_app_config_bounds_name_the_field(args, field):
@@ -71,6 +72,7 @@ def test_app_config_edges_that_are_accepted():
                         "experts": [{"name": "default"}, {"name": "a.b"}], "distill": {"lr": 0.999}})
     assert (cfg.max_batch_size, cfg.max_model_len, cfg.num_speculative_tokens) == (256, 16, 16)
     assert parse_config({"num_speculative_tokens": "auto"}).num_speculative_tokens == "auto"
+    assert parse_config({"stall_timeout_s": None}).stall_timeout_s is None  # never stalled
 
 
 def test_prompt_char_limit_defaults_to_32_characters_per_token():

@@ -33,9 +33,9 @@ class _Pusher:  # Ray's MetricsPusher pushes loaded model ids to a controller th
         pass
 
 
-def _pool(monkeypatch, cap: int, distill: dict | None = None):
+def _pool(monkeypatch, cap: int, distill: dict | None = None, **args):
     """A DraftPool over a tiny draft, with experts a and b, whose multiplexing cache holds `cap` experts
-    (distill: the config's section, off by default). Returns (pool, the multiplexing cache, the experts' loads)."""
+    (distill: the config's section, off by default; args: other config keys). Returns (pool, the multiplexing cache, the experts' loads)."""
     import ray.serve.multiplex as mux
 
     import deployments.disagg as dd
@@ -46,7 +46,7 @@ def _pool(monkeypatch, cap: int, distill: dict | None = None):
     monkeypatch.setattr(mux, "metrics", SimpleNamespace(Histogram=_Metric, Gauge=_Metric, Counter=_Metric))
     monkeypatch.setattr(mux, "MetricsPusher", _Pusher)
     monkeypatch.setattr(dd, "_load", lambda cfg, role: (llama(50, hidden=16, layers=1), 50, 256))
-    cfg = AppConfig(distill=distill or {"enabled": False}, experts=[{"name": "a"}, {"name": "b"}], default_expert="a")
+    cfg = AppConfig(distill=distill or {"enabled": False}, experts=[{"name": "a"}, {"name": "b"}], default_expert="a", **args)
     pool = dd.DraftPool.func_or_class(cfg.model_dump())
     loads = []
     new_worker = pool._new_worker
@@ -161,3 +161,40 @@ def test_the_versions_of_an_evicted_expert_are_not_read(monkeypatch, tmp_path):
         assert len(reads) == 1
 
     asyncio.run(run())
+
+
+def test_a_torch_call_that_hangs_past_the_stall_timeout_fails_the_health_check(monkeypatch):
+    """DraftPool and Verifier had no check_health: a torch call that hung (a CUDA hang) left the event
+    loop free, so Serve's liveness ping passed, the replica was never replaced and every request
+    whose step it held waited until its client left. Past stall_timeout_s the check raises."""
+    pool, _, _ = _pool(monkeypatch, cap=2, stall_timeout_s=0.3)
+    from osd_serve.disagg import ProposeItem, Sampling
+
+    gate, entered = threading.Event(), threading.Event()
+
+    async def run():
+        _as_request_for("a")
+        worker = await pool.get_worker("a")
+        propose = worker.propose
+
+        def hung(items):
+            entered.set()
+            gate.wait(10)
+            return propose(items)
+
+        worker.propose = hung
+        await pool.check_health()  # idle: healthy
+        call = asyncio.ensure_future(pool._run(pool._propose, worker, [ProposeItem("s", [5, 6, 7], 2, Sampling())]))
+        assert await asyncio.to_thread(entered.wait, 10)
+        await pool.check_health()  # running, not yet past the limit
+        await asyncio.sleep(0.5)
+        with pytest.raises(RuntimeError, match=r"a torch call has run for \d+ s \(stall_timeout_s is 0.3\)"):
+            await pool.check_health()
+        gate.set()
+        assert len((await call)[0].tokens) == 2
+        await pool.check_health()  # it returned: healthy again
+
+    try:
+        asyncio.run(run())
+    finally:
+        gate.set()

@@ -460,3 +460,35 @@ def test_an_engine_that_cannot_be_reset_still_ends_its_requests_and_reports_unhe
         assert r.status_code == 503 and "'default' could not be reset after a failed step" in r.json()["error"], r.text
     finally:
         svc.close()
+
+
+def test_a_step_that_hangs_past_the_stall_timeout_makes_the_replica_unhealthy(tok):
+    """A hung device call (a CUDA hang) raises nothing: the loop thread sat in its step while /health
+    answered 200 and Serve's check_health passed, so the replica was never replaced and its requests
+    waited until their clients left. Past stall_timeout_s the server reports itself unhealthy, and
+    healthy again once the step returns."""
+    target = llama(len(tok), seed=3)
+    cfg = AppConfig(distill={"enabled": False}, wandb={"mode": "disabled"}, stall_timeout_s=0.3)
+    svc = SpecService(cfg, models=(target, perturbed(target, 0.05), tok))
+    gate, entered = _held_step(svc.server.engines["default"])
+    try:
+        client = TestClient(make_app(svc, cfg))
+
+        async def run():
+            req = asyncio.ensure_future(_run(svc, "a = 1"))
+            assert await asyncio.to_thread(entered.wait, 10)
+            assert client.get("/health").status_code == 200  # a step may take a while: not yet stalled
+            await asyncio.sleep(0.5)
+            r = client.get("/health")
+            assert r.status_code == 503 and "stall_timeout_s is 0.3" in r.json()["error"], r.text
+            with pytest.raises(RuntimeError, match="a torch call has run for"):
+                await svc.ready()
+            gate.set()
+            return await req
+
+        deltas = asyncio.run(run())
+        assert deltas[-1]["finish_reason"] in ("length", "stop")
+        assert client.get("/health").status_code == 200 and svc.server.alive()
+    finally:
+        gate.set()
+        svc.close()
