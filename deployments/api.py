@@ -20,8 +20,9 @@ import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from osd_serve.protocol import (ChatRequest, CompletionRequest, RequestError, chunk_body, completion_body,
                                 engine_error, parse_request, sse, usage_chunk)
@@ -91,9 +92,11 @@ def _route_path(scope) -> str:
 def _authorized(request: Request, key: str | None) -> bool:
     if key is None:
         return True
-    got = request.headers.get("authorization", "")
-    # the scheme is case-insensitive (RFC 7235), the key is not
-    return got[:7].lower() == "bearer " and secrets.compare_digest(got[7:].encode(), key.encode())
+    # The scheme is case-insensitive (RFC 7235), the key is not. Spaces around the key are not part of
+    # it: RFC 6750 allows more than one after "Bearer", and uvicorn's httptools parser (unlike h11)
+    # leaves a header value's trailing whitespace in, so the same client got 401 on one and 200 on the other.
+    scheme, _, token = request.headers.get("authorization", "").strip().partition(" ")
+    return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), key.encode())
 
 
 def make_app(backend, cfg: AppConfig) -> FastAPI:
@@ -177,10 +180,13 @@ def make_app(backend, cfg: AppConfig) -> FastAPI:
         # ids or many messages would be parsed first (8 bytes a character covers "\uXXXX" escapes).
         limit = 8 * cfg.prompt_char_limit + (1 << 16)
         raw = bytearray()
-        async for chunk in request.stream():  # as it comes: request.body() held a body of any size whole first
-            raw += chunk
-            if len(raw) > limit:
-                raise RequestError(f"body: more than {limit} bytes (8 per character of max_prompt_chars)", None, 413)
+        try:
+            async for chunk in request.stream():  # as it comes: request.body() held a body of any size whole first
+                raw += chunk
+                if len(raw) > limit:
+                    raise RequestError(f"body: more than {limit} bytes (8 per character of max_prompt_chars)", None, 413)
+        except ClientDisconnect:  # gone while sending: nobody reads an answer; not a 500 and a logged traceback
+            return Response(status_code=499)
         req = parse_request(bytes(raw), ChatRequest if chat else CompletionRequest)
         if req.model not in (None, cfg.served_model_name):
             raise unknown_model(req.model, cfg.served_model_name)

@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 from tokenizers.decoders import DecodeStream
 
-from .config import SamplingParams
+from .config import SamplingParams, short_repr
 
 
 class Prompt(NamedTuple):
@@ -25,7 +25,7 @@ def check_room(max_tokens: int | None, max_model_len: int, name: str = "max_toke
     """max_tokens must leave a prompt at least one position; name and whose word it as an option (the CLI's
     --max-tokens, said once before any prompt rather than blamed on the first)."""
     if max_tokens is not None and max_tokens >= max_model_len:
-        raise ValueError(f"{name} {max_tokens} leaves no room for a prompt within {whose}max_model_len {max_model_len}")
+        raise ValueError(f"{name} {short_repr(max_tokens)} leaves no room for a prompt within {whose}max_model_len {max_model_len}")
 
 
 def check_prompt(tokenizer, vocab: int, max_model_len: int, prompt, params: SamplingParams) -> Prompt:

@@ -275,18 +275,29 @@ def _not_json(name: str):
     raise _NotJSON(f"body is not valid JSON: {name} is not a JSON value")
 
 
-def _json_int(text: str) -> int:
-    """Python's int() refuses literals of more than sys.get_int_max_str_digits() digits (4300) with a
-    plain ValueError, which escaped as a 500: a 4 KB body could send one."""
+class _LongInt:
+    """An integer literal of more than sys.get_int_max_str_digits() digits (4300), which int() refuses
+    with a plain ValueError (a 500 before it was caught: a 4 KB body could send one). Kept as a marker
+    that no field type accepts, so the error names the field that held it."""
+
+    __slots__ = ("digits",)
+
+    def __init__(self, text: str):
+        self.digits = len(text.lstrip("-"))
+
+
+def _json_int(text: str, seen: list[_LongInt]) -> int | _LongInt:
     try:
         return int(text)
     except ValueError:
-        raise _NotJSON(f"body: an integer of {len(text.lstrip('-'))} digits is too long to read") from None
+        seen.append(_LongInt(text))
+        return seen[-1]
 
 
 def parse_request(raw: bytes, model: type[BaseModel]) -> BaseModel:
+    long_ints: list[_LongInt] = []
     try:
-        data = json.loads(raw or b"null", parse_constant=_not_json, parse_int=_json_int)
+        data = json.loads(raw or b"null", parse_constant=_not_json, parse_int=lambda t: _json_int(t, long_ints))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise RequestError(f"body is not valid JSON: {e}") from None
     except _NotJSON as e:
@@ -301,7 +312,13 @@ def parse_request(raw: bytes, model: type[BaseModel]) -> BaseModel:
         # Only on the error path: the walk costs ~0.1 us per list item, and a prompt of token ids is long.
         if any(err["type"] == "string_unicode" for err in e.errors()) and (bad := _bad_key(data)) is not None:
             raise RequestError(f"{bad}: an object key that is not valid Unicode text (a lone surrogate)", bad) from None
+        for err in e.errors():
+            if isinstance(err.get("input"), _LongInt) and err["type"] != "extra_forbidden":  # an unknown field: say so
+                param = validation_error([err]).param
+                raise RequestError(f"{param}: an integer of {err['input'].digits} digits is too long to read", param) from None
         raise validation_error(e.errors()) from None
+    if long_ints:  # one inside a free-form object (tools' JSON schema) that validation let through
+        raise RequestError(f"body: an integer of {long_ints[0].digits} digits is too long to read")
     if req.stream_options is not None and not req.stream:
         raise RequestError("stream_options: only allowed when stream is true", "stream_options")
     return req
