@@ -302,3 +302,35 @@ def test_a_version_a_killed_publisher_left_unlisted_is_removed(tmp_path):
     assert store.publish({"w": torch.ones(4)}) == 8  # numbered above it: no number goes back
     # v0 stays as v8's parent (the version a rollback goes to); the orphan goes
     assert sorted(p.name for p in tmp_path.glob("v*")) == ["v000000", "v000008"] and store.versions == [0, 8]
+
+
+def test_a_rollback_that_fails_building_the_student_changes_nothing(models, tok, monkeypatch):
+    """The store's manifest moved first and the trainer's new student (a copy, an upcast, peft: out of
+    memory on a GPU) was built after: a failure there left the store and the guard's copy on the old
+    version while the engine served, and the trainer trained, the newer one; the next update then
+    recorded the wrong parent."""
+    dist = _distiller(models, tok)
+    dist.engine.generate(_prompts(len(tok), 16, 1), SP)
+    assert dist.update().published and dist.store.current == 1
+    v1 = {n: t.clone() for n, t in dist.store.load(1).items()}
+    serving_before = {n: t.clone() for n, t in dist.serving.state_dict().items()}
+    real = dist.trainer.build_student
+
+    def oom(state):
+        raise RuntimeError("CUDA out of memory building the student (simulated)")
+
+    monkeypatch.setattr(dist.trainer, "build_student", oom)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        dist.rollback(0)
+    assert dist.store.current == 1 and VersionStore(dist.store.root).current == 1  # in memory and on disk
+    dist.engine._apply_swap()  # what the next step swaps in (the update's v1, nothing newer)
+    assert dist.engine.draft_version == 1
+    assert all(torch.equal(dist.engine.draft.state_dict()[n], t) for n, t in v1.items())
+    assert all(torch.equal(dist.serving.state_dict()[n], t) for n, t in serving_before.items())
+    monkeypatch.setattr(dist.trainer, "build_student", real)
+    assert dist.rollback(0) == 0 and dist.store.current == 0
+    dist.engine._apply_swap()
+    assert dist.engine.draft_version == 0
+    v0 = dist.store.load(0)
+    assert all(torch.equal(dist.engine.draft.state_dict()[n], t) for n, t in v0.items())
+    assert all(torch.equal(dist.serving.state_dict()[n], t) for n, t in v0.items())

@@ -134,7 +134,15 @@ class DistillTrainer:
 
     def reset_to(self, state: dict[str, torch.Tensor]) -> None:
         """Restart from serving weights (a rollback): new student, new optimizer."""
-        self.student = self._build_student(state)
+        self.adopt(self.build_student(state))
+
+    def build_student(self, state: dict[str, torch.Tensor]):
+        """A new student from serving weights, not yet trained on (reset_to's part that can fail: a
+        copy of the draft, an upcast, peft), for ``adopt``."""
+        return self._build_student(state)
+
+    def adopt(self, student) -> None:
+        self.student = student
         self.commit()
         self.optimizer = self._new_optimizer()
 

@@ -243,9 +243,28 @@ class VersionStore:
         """Make a kept version current (default: the current one's parent, the version it was trained
         from); returns it and its weights."""
         with self._locked():
-            return self._rollback(to)
+            to = self._rollback_target(to)
+            state = self.load(to)
+            self._make_current(to)
+            return to, state
 
-    def _rollback(self, to: int | None) -> tuple[int, dict[str, torch.Tensor]]:
+    def rollback_target(self, to: int | None = None) -> int:
+        """The version rollback(to) makes current, changing nothing (ValueError when there is none)."""
+        with self._locked():
+            return self._rollback_target(to)
+
+    def make_current(self, version: int) -> None:
+        """Make a kept version current (rollback's last step, for a caller that prepares between)."""
+        with self._locked():
+            self._make_current(version)
+
+    def _make_current(self, version: int) -> None:
+        if version not in self.manifest["versions"]:
+            raise KeyError(f"draft version {version} is not kept (kept: {self.manifest['versions']})")
+        self.manifest["current"] = version
+        self._write_manifest()
+
+    def _rollback_target(self, to: int | None) -> int:
         if self.current is None:
             raise ValueError("no draft versions yet")
         vs = self.manifest["versions"]
@@ -257,10 +276,7 @@ class VersionStore:
                 to = vs[i - 1] if i else None
             if to is None:
                 raise ValueError("no older version to roll back to")
-        state = self.load(to)
-        self.manifest["current"] = to
-        self._write_manifest()
-        return to, state
+        return to
 
     def meta(self, version: int) -> dict:
         return json.loads((self.path(version) / "meta.json").read_text())
