@@ -103,8 +103,9 @@ class _Sampling(_Strict):
     top_logprobs: int | None = None
     logit_bias: dict[str, float] | None = None
     _neutral = field_validator("frequency_penalty", "presence_penalty", "logprobs", "top_logprobs", "logit_bias")(_neutral_only)
-    _null = field_validator("temperature", "top_p", "n", "stream", "frequency_penalty", "presence_penalty",
-                            mode="before")(classmethod(_null_is_default))
+    # top_k and ignore_eos too: vLLM's clients send them as null for "unset"
+    _null = field_validator("temperature", "top_p", "top_k", "n", "stream", "ignore_eos", "frequency_penalty",
+                            "presence_penalty", mode="before")(classmethod(_null_is_default))
 
     @field_validator("stop")
     @classmethod

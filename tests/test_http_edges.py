@@ -60,12 +60,13 @@ def _post(client, path, body):
 def test_null_is_the_openai_default(client, backend, path, body):
     """OpenAI's API declares these nullable with a default, and the openai client sends null for an
     argument given as None (temperature=None): each was a 400 ("Input should be a valid number")."""
-    nulls = dict.fromkeys(["temperature", "top_p", "n", "stream", "frequency_penalty", "presence_penalty"])
+    nulls = dict.fromkeys(["temperature", "top_p", "n", "stream", "frequency_penalty", "presence_penalty",
+                           "top_k", "ignore_eos"])  # the last two: the extensions, as vLLM's clients send them
     r = _post(client, path, body | nulls)
     assert r.status_code == 200, r.text
     assert "choices" in r.json()  # stream null: not a stream
     p = backend.params[-1]
-    assert (p.temperature, p.top_p) == (1.0, 1.0)
+    assert (p.temperature, p.top_p, p.top_k, p.ignore_eos) == (1.0, 1.0, 0, False)
     # a value that asks for something is still refused, and so is a wrong type
     for bad, param in (({"frequency_penalty": 0.5}, "frequency_penalty"), ({"temperature": "1"}, "temperature")):
         r = _post(client, path, body | bad)
