@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import random
 import threading
 import time
 import warnings
@@ -69,6 +70,9 @@ class _Prometheus:
 
 
 HISTORY_ROWS = 500
+UNSENT_ROWS = 10_000  # rows waiting for a stalled W&B service (events and windows: hours of them)
+LATENCY_SAMPLE = 2000  # latencies a window keeps for its p50/p99
+CLOSE_TIMEOUT_S = 30.0  # how long close() waits for W&B's last write and finish()
 INIT_TIMEOUT_S = 20.0  # wandb's own default retries for minutes: a replica must not wait that long to serve
 
 
@@ -117,7 +121,12 @@ class Telemetry:
         self._lock = threading.Lock()
         self._win = defaultdict(lambda: defaultdict(float))  # expert -> sums since the last log
         self._pos = defaultdict(lambda: [[0, 0] for _ in range(16)])  # expert -> [accepted, tested] per position
-        self._lat: deque[float] = deque(maxlen=2000)
+        self._lat: list[float] = []  # this window's latencies: a uniform sample of LATENCY_SAMPLE (_sample)
+        self._n_lat = 0  # requests this window, sampled or not
+        self._rng = random.Random(0)
+        # Rows built but not yet written to W&B, oldest first: only the timer writes them (and close()),
+        # so no caller on an event loop waits on a W&B call. Bounded: W&B stalled for hours keeps the newest.
+        self._unsent: deque[dict] = deque(maxlen=UNSENT_ROWS)
         self._events: list[dict] = []
         self._last = time.monotonic()
         # the latest rows logged, also kept here (admin routes, tests): bounded, as a replica runs for weeks
@@ -135,8 +144,9 @@ class Telemetry:
         # timer writes each window on time (at most once a second); without one the rows feed only
         # /admin/metrics, which writes the window when it is read.
         self._stop = threading.Event()
-        # One writer at a time, so rows reach W&B in the order they were built (the timer's and a forced
-        # one's could interleave). The engine thread never waits on it while a run is open: the timer writes.
+        # One writer at a time, so rows reach W&B in the order they were built: the timer, then close()
+        # once the timer is gone. Nothing else waits on it: /admin/metrics runs on the replica's event
+        # loop, and a W&B call that hung while holding it froze every stream there.
         self._write = threading.Lock()
         self._timer: threading.Thread | None = None
         if self.run is not None:
@@ -147,6 +157,7 @@ class Telemetry:
         while not self._stop.wait(max(self.log_every_s, 1.0)):
             try:
                 self.maybe_log()
+                self._send()
             except Exception:  # noqa: BLE001  W&B must never take a replica down
                 logging.getLogger(__name__).exception("telemetry: writing a row failed")
 
@@ -176,7 +187,14 @@ class Telemetry:
         if finish_reason not in ("stop", "length"):
             return
         with self._lock:
-            self._lat.append(latency_s)
+            self._n_lat += 1
+            # Reservoir sampling (Algorithm R): past LATENCY_SAMPLE a window's percentiles come from a
+            # uniform sample of all its requests. A tail of the latest ones dropped a busy window's early
+            # slow requests from p99 (1000 at 10 s then 2000 at 1 s read p99 1.0).
+            if len(self._lat) < LATENCY_SAMPLE:
+                self._lat.append(latency_s)
+            elif (j := self._rng.randrange(self._n_lat)) < LATENCY_SAMPLE:
+                self._lat[j] = latency_s
         if self.prom.ok:
             self.prom.latency.observe(latency_s, tags={"expert": expert})
 
@@ -188,10 +206,8 @@ class Telemetry:
             self.prom.version.set(fields["version"], tags={"expert": expert})
 
     def maybe_log(self, force: bool = False) -> dict | None:
-        with self._write:
-            return self._log(force)
-
-    def _log(self, force: bool) -> dict | None:
+        """Close the window if it is due (or forced): its rows go to the history, and with a W&B run to
+        the queue the timer writes. Returns the window's row, or None when none was due."""
         now = time.monotonic()
         with self._lock:
             if not force and now - self._last < self.log_every_s:
@@ -222,22 +238,32 @@ class Telemetry:
             self._win.clear()
             self._pos.clear()
             self._lat.clear()
+            self._n_lat = 0
             self._events.clear()
             self._last = now
             self.history.extend(rows)
-        run = self.run
-        if run is not None:
-            try:
-                for r in rows:
-                    run.log(r)
-            except Exception as e:  # noqa: BLE001
-                # wandb's service process gone (OOM-killed, crashed): every later log raised
-                # ConnectionResetError out of the engine step's callback (the disaggregated Verifier's
-                # verify batch failed with it) and out of /admin/metrics. W&B goes off; the rows stay here.
-                logging.getLogger(__name__).warning("W&B logging is off: writing a row failed (%s: %s)", type(e).__name__, e)
-                self.run = None
-                self._stop.set()  # without a run the timer has nothing to write
+            if self.run is not None:
+                self._unsent.extend(rows)
         return row
+
+    def _send(self) -> None:
+        """Write the queued rows to W&B, oldest first (the timer's thread, and close())."""
+        with self._write:
+            while self.run is not None:
+                with self._lock:
+                    if not self._unsent:
+                        return
+                    r = self._unsent.popleft()
+                try:
+                    self.run.log(r)
+                except Exception as e:  # noqa: BLE001
+                    # wandb's service process gone (OOM-killed, crashed): every later log raised
+                    # ConnectionResetError. W&B goes off; the rows stay in the history.
+                    logging.getLogger(__name__).warning("W&B logging is off: writing a row failed (%s: %s)", type(e).__name__, e)
+                    self.run = None
+                    self._stop.set()  # without a run the timer has nothing to write
+                    with self._lock:
+                        self._unsent.clear()
 
     def recent(self) -> list[dict]:
         """The latest rows logged, oldest first (copied under the lock: the engine thread appends)."""
@@ -247,11 +273,23 @@ class Telemetry:
     def close(self) -> None:
         self._stop.set()
         if self._timer is not None and self._timer is not threading.current_thread():
-            self._timer.join(timeout=30)  # a row it is writing goes before the last one, and before finish()
+            self._timer.join(timeout=CLOSE_TIMEOUT_S)  # a row it is writing goes before the last one, and before finish()
             if self._timer.is_alive():  # stuck in a W&B call: the replica's shutdown must not wait on it
                 logging.getLogger(__name__).warning("W&B is not answering: its run is left unfinished")
                 return
         self.maybe_log(force=True)
+        if self.run is None:
+            return
+        # The last rows and finish() in a thread of their own, as the timer's writes: a W&B call that
+        # hangs here held the replica's shutdown (SpecService.close, a failed start's clean-up) forever.
+        last = threading.Thread(target=self._finish, name="osd-telemetry-finish", daemon=True)
+        last.start()
+        last.join(timeout=CLOSE_TIMEOUT_S)
+        if last.is_alive():
+            logging.getLogger(__name__).warning("W&B is not answering: its run is left unfinished")
+
+    def _finish(self) -> None:
+        self._send()
         run, self.run = self.run, None
         if run is not None:
             try:

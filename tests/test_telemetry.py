@@ -168,7 +168,8 @@ def test_a_dead_wandb_service_does_not_fail_steps_or_shutdown():
     t.run = dead = DeadRun()
     t.on_step("default", Step())
     assert dead.calls == 0 and t.recent() == []  # the step wrote nothing: the timer (or a forced log) does
-    t.maybe_log()  # the timer's write raised ConnectionResetError
+    t.maybe_log()  # the timer closes the window and writes it: the write raised ConnectionResetError
+    t._send()
     assert dead.calls == 1 and t.run is None and t.recent()[-1]["alpha/default"] == 2 / 3
     t.on_step("default", Step())  # W&B off: the step writes its row to the history
     assert dead.calls == 1 and len(t.recent()) == 2  # no further calls into the dead service
@@ -277,3 +278,61 @@ def test_prometheus_counts_tested_tokens_so_alpha_needs_no_gauge():
     prom.step("sql", StepStats(2, 8, 4, 1, [1, 1, 1, 1], [2, 2, 2, 2], 6, 0.0, 0.0, 0.0, None, [2, 1, 1, 1]))
     prom.step("sql", StepStats(1, 3, 3, 0, [1, 1, 1], [1, 1, 1], 4, 0.0, 0.0, 0.0, None, [1, 1, 1]))
     assert counts == {("draft", "sql"): 11, ("accepted", "sql"): 7, ("emitted", "sql"): 10, ("tested", "sql"): 8}
+
+
+def test_a_hung_wandb_write_blocks_neither_admin_metrics_nor_shutdown(tmp_path, monkeypatch):
+    """/admin/metrics forces a window closed on the replica's event loop. It also wrote the window to
+    W&B there, waiting for the timer's write: a W&B call that hung froze every stream on that loop. And
+    close() waited forever on a hung last write or finish(). Only the timer (and close(), bounded)
+    write now; a forced window goes to the history at once and to W&B at the timer's next tick."""
+    import threading
+
+    monkeypatch.setattr(telemetry, "CLOSE_TIMEOUT_S", 1.0, raising=False)
+    t = Telemetry("offline", directory=str(tmp_path), log_every_s=1.0)
+    run, hang, entered = t.run, threading.Event(), threading.Event()
+    real_log, real_finish = run.log, run.finish
+
+    def hung_log(row, *a, **k):
+        entered.set()
+        hang.wait(60)
+        return real_log(row, *a, **k)
+
+    run.log = hung_log
+    try:
+        t.on_event("default", version=1)
+        assert entered.wait(10)  # the timer is inside run.log, holding the writer's lock
+        t.on_request("default", 0.5, "stop")
+        forced = threading.Thread(target=lambda: t.maybe_log(force=True), daemon=True)
+        forced.start()
+        forced.join(5)
+        assert not forced.is_alive(), "a forced window waited on the hung W&B write"
+        assert t.recent()[-1]["latency_p50_s"] == 0.5  # in the history at once
+        start = time.monotonic()
+        t.close()  # the timer is stuck: close gives up on it after CLOSE_TIMEOUT_S
+        assert time.monotonic() - start < 5
+    finally:
+        hang.set()
+        real_finish()
+
+    t2 = Telemetry("offline", directory=str(tmp_path / "2"), log_every_s=60.0)
+    real_finish2, hang2 = t2.run.finish, threading.Event()
+    t2.run.finish = lambda *a, **k: hang2.wait(60)
+    try:
+        t2.on_event("default", version=2)
+        start = time.monotonic()
+        t2.close()  # the last rows are written, then finish() hangs: close returns all the same
+        assert time.monotonic() - start < 5
+    finally:
+        hang2.set()
+        real_finish2()
+
+
+def test_a_busy_windows_percentiles_sample_all_its_requests():
+    """The window kept the latest 2000 latencies: 1000 requests at 10 s then 2000 at 1 s read p99 1.0,
+    the slow third of the window gone. A uniform sample of all of them keeps it."""
+    t = Telemetry("disabled", log_every_s=3600.0)
+    for latency in [10.0] * 1000 + [1.0] * 2000:
+        t.on_request("default", latency, "length")
+    row = t.maybe_log(force=True)
+    assert (row["latency_p50_s"], row["latency_p99_s"]) == (1.0, 10.0)
+    assert len(t._lat) == 0 and t._n_lat == 0  # the next window starts empty
