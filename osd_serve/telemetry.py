@@ -148,13 +148,18 @@ class Telemetry:
         # once the timer is gone. Nothing else waits on it: /admin/metrics runs on the replica's event
         # loop, and a W&B call that hung while holding it froze every stream there.
         self._write = threading.Lock()
+        self._kick = threading.Event()  # wakes the timer: a forced window's rows reach W&B now, not in log_every_s
         self._timer: threading.Thread | None = None
         if self.run is not None:
             self._timer = threading.Thread(target=self._tick, name="osd-telemetry", daemon=True)
             self._timer.start()
 
     def _tick(self) -> None:
-        while not self._stop.wait(max(self.log_every_s, 1.0)):
+        while True:
+            self._kick.wait(max(self.log_every_s, 1.0))  # a window due, or a forced one to write now
+            self._kick.clear()
+            if self._stop.is_set():
+                return
             try:
                 self.maybe_log()
                 self._send()
@@ -244,6 +249,8 @@ class Telemetry:
             self.history.extend(rows)
             if self.run is not None:
                 self._unsent.extend(rows)
+                if force:
+                    self._kick.set()
         return row
 
     def _send(self) -> None:
@@ -272,6 +279,7 @@ class Telemetry:
 
     def close(self) -> None:
         self._stop.set()
+        self._kick.set()
         if self._timer is not None and self._timer is not threading.current_thread():
             self._timer.join(timeout=CLOSE_TIMEOUT_S)  # a row it is writing goes before the last one, and before finish()
             if self._timer.is_alive():  # stuck in a W&B call: the replica's shutdown must not wait on it

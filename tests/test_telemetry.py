@@ -336,3 +336,20 @@ def test_a_busy_windows_percentiles_sample_all_its_requests():
     row = t.maybe_log(force=True)
     assert (row["latency_p50_s"], row["latency_p99_s"]) == (1.0, 10.0)
     assert len(t._lat) == 0 and t._n_lat == 0  # the next window starts empty
+
+
+def test_a_forced_window_reaches_wandb_without_waiting_for_the_next_tick(tmp_path):
+    """Only the timer writes to W&B, so a window /admin/metrics closes wakes it: with log_every_s 3600
+    the forced rows otherwise waited an hour to reach the run (the e2e test's W&B check found none)."""
+    t = Telemetry("offline", directory=str(tmp_path), log_every_s=3600.0)
+    try:
+        logged, real = [], t.run.log
+        t.run.log = lambda row, *a, **k: (logged.append(row), real(row, *a, **k))
+        t.on_event("default", version=4)
+        t.maybe_log(force=True)
+        deadline = time.time() + 10
+        while not any(r.get("version/default") == 4 for r in logged) and time.time() < deadline:
+            time.sleep(0.05)
+        assert any(r.get("version/default") == 4 for r in logged), logged
+    finally:
+        t.close()
