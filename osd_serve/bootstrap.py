@@ -320,6 +320,10 @@ def _sweep_stale_tmp(root: Path, foreign_after_s: float = 86400.0) -> None:
                 if age < foreign_after_s:
                     continue
             else:
+                # Our own pid: the caller holds the root's lock, so no build of this process is under way
+                # here; a dead one's pid came round again (a container's entrypoint is pid 1 every start)
+                if int(pid) == os.getpid():
+                    raise ProcessLookupError
                 os.kill(int(pid), 0)  # signal 0 only checks the process exists
                 continue
         except ProcessLookupError:
@@ -356,15 +360,17 @@ def build_pair(data_files: list[str] | None = None, out_root: str | None = None,
         raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
     cfg = PRESETS[preset]
     data_files = [str(p) for p in data_files] if data_files else None
-    seen: dict[str, str] = {}
+    seen: dict[tuple[int, int], str] = {}
     for p in data_files or []:
         if not os.path.isfile(p):
             raise FileNotFoundError(f"data file not found (or not a regular file): {p}")
         check_data_type(p)  # here, not when its turn to be read comes: after hashing every file before it
-        # Twice (a.jsonl ./a.jsonl, or a symlink) read it twice: every held-out prompt document was also trained on.
-        if (real := os.path.realpath(p)) in seen:
-            raise ValueError(f"data file {p!r} is {seen[real]!r} again: give each file once")
-        seen[real] = p
+        # Twice (a.jsonl ./a.jsonl, a symlink, a hard link) read it twice: every held-out prompt document
+        # was also trained on. By inode: a hard link has a path of its own.
+        st = os.stat(p)
+        if (inode := (st.st_dev, st.st_ino)) in seen:
+            raise ValueError(f"data file {p!r} is {seen[inode]!r} again: give each file once")
+        seen[inode] = p
     # Absolute: the printed paths are read from other directories (a Ray replica, another shell).
     root = (Path(out_root) if out_root else _default_root()).expanduser().resolve()
     final = root / _cache_name(data_files, preset, cfg)

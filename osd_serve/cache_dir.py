@@ -4,6 +4,7 @@ temp dir, and the lock that keeps two builds of one cache from training side by 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import sys
@@ -78,10 +79,16 @@ def sync_tree(tree: Path, recurse: bool = True) -> None:
     """fsync every file and directory under tree (with recurse=False: tree itself, as after a rename in it).
     Without it the file system may keep a rename and lose the renamed files' data in a power cut."""
     for d, _, names in os.walk(tree) if recurse else [(str(tree), [], [])]:
-        for path in [os.path.join(d, n) for n in names] + [d]:
-            with contextlib.suppress(OSError):  # a file system that cannot fsync a directory: best effort
+        for path, is_dir in [(os.path.join(d, n), False) for n in names] + [(d, True)]:
+            try:
                 fd = os.open(path, os.O_RDONLY)
                 try:
                     os.fsync(fd)
                 finally:
                     os.close(fd)
+            except OSError as e:
+                # A file's write error can surface only here (NFS, a quota: safetensors ignores its
+                # close's), and the build must then fail, not be marked complete. A file system that
+                # cannot fsync (a directory, or at all) says EINVAL or ENOTSUP: best effort there.
+                if not is_dir and e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+                    raise

@@ -161,6 +161,8 @@ def _load(args):
 def cmd_bootstrap(args) -> None:
     from .bootstrap import build_pair
 
+    if args.out == "":  # an unset shell variable: it built into the default cache without a word
+        raise SystemExit("error: --out is empty: give a directory, or leave --out out for the default cache")
     out = os.path.expanduser(args.out) if args.out else None  # as build_pair expands it
     if out and os.path.exists(out) and not os.path.isdir(out):  # mkdir's "File exists" named no option
         raise SystemExit(f"error: --out {args.out} is not a directory")
@@ -455,9 +457,11 @@ def main(argv: list[str] | None = None) -> None:
     r.set_defaults(fn=cmd_replay)
 
     args = ap.parse_args(argv)
+    from safetensors import SafetensorError  # a full disk while saving weights: an OSError in all but name
+
     try:
         args.fn(args)
-    except (ValueError, OSError) as e:  # bad input files and values: one line naming them, not a traceback
+    except (ValueError, OSError, SafetensorError) as e:  # bad input files and values, a full disk: one line, not a traceback
         raise SystemExit(f"error: {e}") from None
     except KeyboardInterrupt:  # each command has cleaned up on its way out (a build's temp dir, replay's result.json)
         print(f"osd-serve {args.cmd}: interrupted", file=sys.stderr)

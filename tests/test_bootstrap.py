@@ -117,7 +117,7 @@ def test_killed_builds_temp_dirs_are_swept(tmp_path):
     (dead / "PID").write_text("999999999")  # above any pid_max: no such process
     alive = tmp_path / ".tmp-default-pair-alive"
     alive.mkdir()
-    (alive / "PID").write_text(str(os.getpid()))
+    (alive / "PID").write_text(str(os.getppid()))  # a live process, not this one (whose pid under the lock is a dead build's)
     young = tmp_path / ".tmp-default-pair-young"  # no PID file yet: a build that just started
     young.mkdir()
     here = tmp_path / ".tmp-default-pair-here"  # this host's dead pid, as the PID file is written now

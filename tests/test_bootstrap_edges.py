@@ -73,7 +73,7 @@ def test_a_waiting_build_reuses_a_same_content_build_it_waited_for(tmp_path, mon
     assert os.path.islink(root / bootstrap._cache_name([data], "tiny", TINY))  # B's key now aliases A's build
 
 
-@pytest.mark.parametrize("again", ["dot", "symlink", "same"])
+@pytest.mark.parametrize("again", ["dot", "symlink", "same", "hardlink"])
 def test_a_data_file_given_twice_is_refused_by_name(tmp_path, monkeypatch, again):
     """Read twice, every held-out prompt document was also a training document."""
     calls = _counting_build(monkeypatch)
@@ -81,7 +81,9 @@ def test_a_data_file_given_twice_is_refused_by_name(tmp_path, monkeypatch, again
     monkeypatch.chdir(tmp_path)
     if again == "symlink":
         os.symlink("d.jsonl", tmp_path / "link.jsonl")
-    second = {"dot": "./d.jsonl", "symlink": "link.jsonl", "same": data}[again]
+    if again == "hardlink":  # a path of its own: realpath did not see it was the same file
+        os.link("d.jsonl", tmp_path / "hard.jsonl")
+    second = {"dot": "./d.jsonl", "symlink": "link.jsonl", "same": data, "hardlink": "hard.jsonl"}[again]
     with pytest.raises(ValueError, match=r"data file '.*' is '.*d\.jsonl' again"):
         build_pair([data, second], out_root=str(tmp_path / "out"), preset="tiny")
     assert not calls
@@ -159,3 +161,84 @@ def test_a_data_build_of_an_older_data_recipe_is_rebuilt_the_default_pair_is_not
     assert len(calls) == 3
     info = bootstrap._build_info(Path(built["target"]).parent, TINY)
     assert info is None  # and the old build itself no longer counts as complete
+
+
+def test_a_dead_builds_temp_dir_with_this_processs_pid_is_swept(tmp_path):
+    """A container's entrypoint is pid 1 at every start, on the same host name: a build killed (OOM)
+    left a temp dir whose PID file named the pid the next start's builder has, so signal 0 found it
+    alive and every such dir (~130 MB) was kept for good. Under the root's lock no build of this
+    process is under way there."""
+    d = tmp_path / ".tmp-tiny-pair-killed01"
+    (d / "target").mkdir(parents=True)
+    (d / "PID").write_text(f"{bootstrap.socket.gethostname()} {os.getpid()}")
+    live = tmp_path / ".tmp-tiny-pair-live02"  # another live process's build stays
+    live.mkdir()
+    (live / "PID").write_text(f"{bootstrap.socket.gethostname()} {os.getppid()}")
+    bootstrap._sweep_stale_tmp(tmp_path)
+    assert not d.exists() and live.exists()
+
+
+def test_a_write_error_only_fsync_reports_fails_the_build(tmp_path, monkeypatch):
+    """On NFS or under a quota a full disk may show only at fsync (safetensors ignores its close's
+    error). sync_tree ignored every fsync error, so the damaged build was marked complete and served."""
+    import errno
+
+    monkeypatch.setattr(bootstrap, "_build_into", _fake_build)
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("/" + bootstrap.COMPLETE_MARKER):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    with pytest.raises(OSError, match="No space left"):
+        build_pair(out_root=str(tmp_path), preset="tiny")
+    assert not (tmp_path / bootstrap._cache_name(None, "tiny", TINY)).exists()
+    assert not list(tmp_path.glob(".tmp-*"))  # and the temp dir went
+    # a file system that cannot fsync at all says EINVAL: still best effort, the build goes through
+    monkeypatch.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(errno.EINVAL, "Invalid argument")))
+    assert build_pair(out_root=str(tmp_path), preset="tiny")["target"].endswith("/target")
+
+
+def test_one_huge_line_is_cut_in_linear_time_and_read_a_piece_at_a_time(tmp_path, monkeypatch):
+    """_pieces copied the rest of the text at every piece (text = text[cut:]), so a 200 MB line took
+    46 s to give a 6 MB corpus budget; and a .txt line was read whole before the first piece."""
+    words = "word " * 400_000  # 2 MB, one line
+    copied = []
+
+    class Text(str):  # records the length of every slice taken of it
+        def __getitem__(self, key):
+            out = str.__getitem__(self, key)
+            copied.append(len(out))
+            return out
+
+    pieces = list(corpus._pieces(Text(words)))
+    assert "".join(pieces) == words and all(len(p) <= corpus.MAX_DOC_CHARS for p in pieces)
+    assert all(p.endswith(" ") for p in pieces[:-1])  # cut at whitespace
+    assert max(copied) <= corpus.MAX_DOC_CHARS  # each piece copied once; never the rest of the text
+    words *= 10  # 20 MB, on disk
+    path = tmp_path / "one_line.txt"
+    path.write_text(words)
+    got, read = [], []
+
+    class Spy:  # the file read_documents opens, counting what each readline returns
+        def __init__(self, f):
+            self.f = f
+
+        def readline(self, size=-1):
+            read.append(len(line := self.f.readline(size)))
+            return line
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            self.f.close()
+
+    monkeypatch.setattr(corpus, "open", lambda *a, **k: Spy(open(*a, **k)), raising=False)
+    for p in corpus.read_documents(str(path)):
+        got.append(p)
+        if len(got) == 3:
+            break
+    assert len(got) == 3 and read and max(read) <= corpus.MAX_DOC_CHARS

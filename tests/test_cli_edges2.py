@@ -180,6 +180,20 @@ def test_bootstrap_out_that_is_a_file_is_named(tmp_path, capsys):
     assert f"--out {f} is not a directory" in _error(["bootstrap", "--preset", "tiny", "--out", str(f)], capsys)
 
 
+def test_bootstrap_out_empty_and_a_full_disk_are_one_line_errors(tmp_path, monkeypatch, capsys):
+    """--out "" (an unset shell variable) built into the default cache without a word; a disk that
+    filled while safetensors saved the weights gave a traceback (SafetensorError is not an OSError)."""
+    from safetensors import SafetensorError
+
+    assert "--out is empty" in _error(["bootstrap", "--preset", "tiny", "--out", ""], capsys)
+
+    def full(**kw):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(bootstrap, "build_pair", full)
+    assert "No space left on device" in _error(["bootstrap", "--preset", "tiny", "--out", str(tmp_path)], capsys)
+
+
 def test_replay_out_that_is_a_file_fails_before_loading(tmp_path, monkeypatch, capsys):
     """replay made --out after loading the pair: a file there failed only then."""
     _no_load(monkeypatch)
