@@ -303,7 +303,7 @@ def _ours(d: Path) -> bool:
     return bool(re.match(rf"\.tmp-(?:{names})-", d.name)) and ((d / "PID").is_file() or (d / "build.json").is_file())
 
 
-def _sweep_stale_tmp(root: Path, foreign_after_s: float = 86400.0) -> None:
+def _sweep_stale_tmp(root: Path, foreign_after_s: float = 86400.0, locked: bool = True) -> None:
     """Delete temp dirs left by killed builds (up to ~130 MB each): their process is gone.
 
     The PID file names the host too: on storage several nodes share, another node's build is
@@ -320,9 +320,10 @@ def _sweep_stale_tmp(root: Path, foreign_after_s: float = 86400.0) -> None:
                 if age < foreign_after_s:
                     continue
             else:
-                # Our own pid: the caller holds the root's lock, so no build of this process is under way
-                # here; a dead one's pid came round again (a container's entrypoint is pid 1 every start)
-                if int(pid) == os.getpid():
+                # Our own pid, with the root's lock held (locked): no build of this process is under way
+                # here, so a dead one's pid came round again (a container's entrypoint is pid 1 every
+                # start). Without the lock (a mount without flock) it may be a live build of ours.
+                if locked and int(pid) == os.getpid():
                     raise ProcessLookupError
                 os.kill(int(pid), 0)  # signal 0 only checks the process exists
                 continue
@@ -377,12 +378,12 @@ def build_pair(data_files: list[str] | None = None, out_root: str | None = None,
     if not force and (found := _cached(root, final, data_files, cfg)):
         return found
     root.mkdir(parents=True, exist_ok=True)
-    with build_lock(root):
+    with build_lock(root) as locked:
         # Again under the lock: the build this call waited for may be this key's, or (a file touched
         # meanwhile) another key's of the same content; either is reused, not trained a second time.
         if not force and (found := _cached(root, final, data_files, cfg)):
             return found
-        _build_and_publish(root, final, data_files, cfg, preset, force)
+        _build_and_publish(root, final, data_files, cfg, preset, force, locked)
     return _paths(final)
 
 
@@ -399,8 +400,8 @@ def _cached(root: Path, final: Path, data_files: list[str] | None, cfg: PairConf
 
 
 def _build_and_publish(root: Path, final: Path, data_files: list[str] | None, cfg: PairConfig, preset: str,
-                       force: bool) -> None:
-    _sweep_stale_tmp(root)
+                       force: bool, locked: bool = True) -> None:
+    _sweep_stale_tmp(root, locked=locked)
     # Built beside its final place (same filesystem) so os.replace is one atomic rename; a
     # crash leaves only a .tmp-* directory that never carries the marker.
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))

@@ -34,14 +34,15 @@ def build_lock(root: Path):
     A flock on the directory itself: no lock file to leave in a --out the user owns, and the kernel
     drops it with its process, so a killed build leaves no stale lock. Best effort: where the directory
     cannot be opened or its file system has no such locks, builds run side by side as before (the
-    atomic rename still keeps each cache entry whole)."""
+    atomic rename still keeps each cache entry whole). Yields whether it holds the lock."""
     try:
         import fcntl
 
         fd = os.open(root, os.O_RDONLY)
     except (ImportError, OSError):
-        yield
+        yield False
         return
+    held = False
     try:
         with contextlib.suppress(OSError):  # a mount without flock (ENOLCK; EBADF on a read-only NFS descriptor)
             try:
@@ -49,7 +50,8 @@ def build_lock(root: Path):
             except BlockingIOError:
                 print(f"[bootstrap] another process is building a pair in {root}: waiting for it", file=sys.stderr)
                 fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
+            held = True
+        yield held
     finally:
         os.close(fd)
 

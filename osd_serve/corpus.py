@@ -150,9 +150,9 @@ def read_documents(path: str) -> Iterator[str]:
         # Strict, as .jsonl is: errors="replace" built a pair from a binary file's U+FFFD noise.
         with open(path, encoding="utf-8-sig") as f:
             try:
-                # At most a document's length a line: a file of one huge line is not read whole
-                lines = iter(lambda: f.readline(MAX_DOC_CHARS), "")
-                yield from (p for d in _txt_documents(lines) if d.strip() for p in _pieces(d))
+                # Line by line (a line is read whole, however long: cut into pieces after). Reading a
+                # document's length at a time instead would move document boundaries at long lines.
+                yield from (p for d in _txt_documents(f) if d.strip() for p in _pieces(d))
             except UnicodeDecodeError as e:
                 raise ValueError(f"{path}: not UTF-8 text (byte {e.start} of a read block: {e.reason})") from None
         return

@@ -286,6 +286,9 @@ class _LongInt:
     def __init__(self, text: str):
         self.digits = len(text.lstrip("-"))
 
+    def __repr__(self) -> str:  # as a message may echo it (a content part's type)
+        return f"an integer of {self.digits} digits"
+
 
 def _json_int(text: str, seen: list[_LongInt]) -> int | _LongInt:
     try:

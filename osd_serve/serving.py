@@ -258,7 +258,8 @@ class AsyncSpecServer:
         admitting had already taken some out of ``waiting``."""
         logging.getLogger(__name__).exception("engine step failed for expert %s", name, exc_info=err)
         try:
-            eng.reset()  # first: a caller told of the failure finds the engine ready again
+            with self.stall.running():  # right after a device fault, when a hang is likeliest
+                eng.reset()  # first: a caller told of the failure finds the engine ready again
         except Exception as e:  # noqa: BLE001  (a sticky CUDA error fails every allocation, the reset's too)
             # The callers must still hear of it below, or they waited forever; and the server says it
             # is unhealthy (/health 503, Serve replaces the replica) rather than take more requests.

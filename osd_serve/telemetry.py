@@ -121,7 +121,7 @@ class Telemetry:
         self._lock = threading.Lock()
         self._win = defaultdict(lambda: defaultdict(float))  # expert -> sums since the last log
         self._pos = defaultdict(lambda: [[0, 0] for _ in range(16)])  # expert -> [accepted, tested] per position
-        self._lat: list[float] = []  # this window's latencies: a uniform sample of LATENCY_SAMPLE (_sample)
+        self._lat: list[float] = []  # this window's latencies: a uniform sample of at most LATENCY_SAMPLE (on_request)
         self._n_lat = 0  # requests this window, sampled or not
         self._rng = random.Random(0)
         # Rows built but not yet written to W&B, oldest first: only the timer writes them (and close()),

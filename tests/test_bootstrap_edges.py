@@ -174,6 +174,8 @@ def test_a_dead_builds_temp_dir_with_this_processs_pid_is_swept(tmp_path):
     live = tmp_path / ".tmp-tiny-pair-live02"  # another live process's build stays
     live.mkdir()
     (live / "PID").write_text(f"{bootstrap.socket.gethostname()} {os.getppid()}")
+    bootstrap._sweep_stale_tmp(tmp_path, locked=False)  # no lock (a mount without flock): maybe a live build of ours
+    assert d.exists() and live.exists()
     bootstrap._sweep_stale_tmp(tmp_path)
     assert not d.exists() and live.exists()
 
@@ -201,9 +203,9 @@ def test_a_write_error_only_fsync_reports_fails_the_build(tmp_path, monkeypatch)
     assert build_pair(out_root=str(tmp_path), preset="tiny")["target"].endswith("/target")
 
 
-def test_one_huge_line_is_cut_in_linear_time_and_read_a_piece_at_a_time(tmp_path, monkeypatch):
+def test_one_huge_line_is_cut_in_linear_time():
     """_pieces copied the rest of the text at every piece (text = text[cut:]), so a 200 MB line took
-    46 s to give a 6 MB corpus budget; and a .txt line was read whole before the first piece."""
+    46 s to give a 6 MB corpus budget."""
     words = "word " * 400_000  # 2 MB, one line
     copied = []
 
@@ -217,28 +219,3 @@ def test_one_huge_line_is_cut_in_linear_time_and_read_a_piece_at_a_time(tmp_path
     assert "".join(pieces) == words and all(len(p) <= corpus.MAX_DOC_CHARS for p in pieces)
     assert all(p.endswith(" ") for p in pieces[:-1])  # cut at whitespace
     assert max(copied) <= corpus.MAX_DOC_CHARS  # each piece copied once; never the rest of the text
-    words *= 10  # 20 MB, on disk
-    path = tmp_path / "one_line.txt"
-    path.write_text(words)
-    got, read = [], []
-
-    class Spy:  # the file read_documents opens, counting what each readline returns
-        def __init__(self, f):
-            self.f = f
-
-        def readline(self, size=-1):
-            read.append(len(line := self.f.readline(size)))
-            return line
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *a):
-            self.f.close()
-
-    monkeypatch.setattr(corpus, "open", lambda *a, **k: Spy(open(*a, **k)), raising=False)
-    for p in corpus.read_documents(str(path)):
-        got.append(p)
-        if len(got) == 3:
-            break
-    assert len(got) == 3 and read and max(read) <= corpus.MAX_DOC_CHARS

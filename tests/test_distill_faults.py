@@ -334,3 +334,25 @@ def test_a_rollback_that_fails_building_the_student_changes_nothing(models, tok,
     v0 = dist.store.load(0)
     assert all(torch.equal(dist.engine.draft.state_dict()[n], t) for n, t in v0.items())
     assert all(torch.equal(dist.serving.state_dict()[n], t) for n, t in v0.items())
+
+
+def test_a_rollback_raced_by_another_writers_publish_changes_nothing(models, tok, monkeypatch):
+    """rollback_target and make_current take the store's lock apart (the student is built between): a
+    version another writer of the same store published in between was rolled over as if it were not
+    there. The rollback now fails, naming it, and nothing changes."""
+    dist = _distiller(models, tok)
+    dist.engine.generate(_prompts(len(tok), 16, 1), SP)
+    assert dist.update().published and dist.store.current == 1
+    real = dist.trainer.build_student
+
+    def meanwhile(state):
+        other = VersionStore(dist.store.root)  # another process's handle on the same store
+        other.publish(other.load(1), {"reason": "another writer"})
+        return real(state)
+
+    monkeypatch.setattr(dist.trainer, "build_student", meanwhile)
+    with pytest.raises(ValueError, match="draft version 2 was published meanwhile"):
+        dist.rollback(0)
+    assert VersionStore(dist.store.root).current == 2
+    dist.engine._apply_swap()
+    assert dist.engine.draft_version == 1  # what it served; the watcher-less store's v2 is not swapped by a failed rollback

@@ -284,6 +284,12 @@ def test_invalid_json_and_auth(client):
         assert says in err["message"], r.text
     r = client.post("/v1/completions", headers=AUTH, content=b'{"prompt": [[1, 2], [3, ' + b"9" * 4301 + b"]]}")
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt.1.1" and "4301 digits" in r.text, r.text
+    # a content part's type is checked before its type: the message echoed the marker's Python repr
+    r = client.post("/v1/chat/completions", headers=AUTH,
+                    content=b'{"messages": [{"role": "user", "content": [{"type": ' + b"9" * 4301 + b"}]}]}")
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "messages.0.content.0" and "4301 digits" in err["message"], r.text
+    assert "object at" not in err["message"], r.text
     for const in (b"NaN", b"Infinity", b"-Infinity"):  # Python's json takes them; JSON has no such values
         r = client.post("/v1/completions", headers=AUTH, content=b'{"prompt": "x", "temperature": ' + const + b"}")
         assert r.status_code == 400 and "is not a JSON value" in r.json()["error"]["message"], r.text

@@ -492,3 +492,40 @@ def test_a_step_that_hangs_past_the_stall_timeout_makes_the_replica_unhealthy(to
     finally:
         gate.set()
         svc.close()
+
+
+def test_a_reset_that_hangs_after_a_failed_step_makes_the_replica_unhealthy(tok):
+    """Only the step was timed: the reset after a failed step (new caches, right after a device fault,
+    when a hang is likeliest) runs on the same thread, and a hang there kept /health at 200."""
+    target = llama(len(tok), seed=3)
+    cfg = AppConfig(distill={"enabled": False}, wandb={"mode": "disabled"}, stall_timeout_s=0.3)
+    svc = SpecService(cfg, models=(target, perturbed(target, 0.05), tok))
+    eng = svc.server.engines["default"]
+    gate, entered = threading.Event(), threading.Event()
+
+    def device_fault():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered (simulated)")
+
+    real_reset = eng.reset
+
+    def hung_reset():
+        entered.set()
+        gate.wait(10)
+        real_reset()  # then done: the engine holds no request, so the loop idles
+
+    eng.step, eng.reset = device_fault, hung_reset
+    try:
+        async def run():
+            req = asyncio.ensure_future(_run(svc, "a = 1", timeout=20))
+            assert await asyncio.to_thread(entered.wait, 10)
+            await asyncio.sleep(0.6)
+            why = svc.server.health()
+            gate.set()
+            return why, await req
+
+        why, deltas = asyncio.run(run())
+        assert why is not None and "stall_timeout_s is 0.3" in why
+        assert [d["finish_reason"] for d in deltas] == ["error"]
+    finally:
+        gate.set()
+        svc.close()

@@ -167,10 +167,10 @@ class OnlineDistiller:
         # What can fail comes before the manifest moves: reading the version, and the new student (a copy
         # of the draft, an upcast, peft; out of memory on a GPU). Failing after the move, it left the
         # store and the guard's copy on the old version while the engine and the trainer kept the newer.
-        version = self.store.rollback_target(to)
+        version, was = self.store.rollback_target(to)
         state = self.store.load(version)
         student = self.trainer.build_student(state)
-        self.store.make_current(version)
+        self.store.make_current(version, expect_current=was)
         self.serving.load_state_dict(state, strict=False)
         self.trainer.adopt(student)
         self._adapter_base = version

@@ -136,14 +136,15 @@ class DistillTrainer:
         """Restart from serving weights (a rollback): new student, new optimizer."""
         self.adopt(self.build_student(state))
 
-    def build_student(self, state: dict[str, torch.Tensor]):
-        """A new student from serving weights, not yet trained on (reset_to's part that can fail: a
-        copy of the draft, an upcast, peft), for ``adopt``."""
-        return self._build_student(state)
+    def build_student(self, state: dict[str, torch.Tensor]) -> tuple:
+        """A new student from serving weights and its published point, for ``adopt``: every allocation
+        reset_to makes (a copy of the draft, an upcast, peft, the float32 copy to revert to), so that
+        a caller can build it before changing anything else. AdamW allocates its moments lazily."""
+        student = self._build_student(state)
+        return student, {n: p.detach().clone() for n, p in student.named_parameters() if p.requires_grad}
 
-    def adopt(self, student) -> None:
-        self.student = student
-        self.commit()
+    def adopt(self, built: tuple) -> None:
+        self.student, self._published = built
         self.optimizer = self._new_optimizer()
 
     def _params(self):

@@ -248,14 +248,19 @@ class VersionStore:
             self._make_current(to)
             return to, state
 
-    def rollback_target(self, to: int | None = None) -> int:
-        """The version rollback(to) makes current, changing nothing (ValueError when there is none)."""
+    def rollback_target(self, to: int | None = None) -> tuple[int, int]:
+        """(the version rollback(to) makes current, the current one), changing nothing (ValueError when
+        there is none), for make_current."""
         with self._locked():
-            return self._rollback_target(to)
+            return self._rollback_target(to), self.current
 
-    def make_current(self, version: int) -> None:
-        """Make a kept version current (rollback's last step, for a caller that prepares between)."""
+    def make_current(self, version: int, expect_current: int | None) -> None:
+        """Make a kept version current (rollback's last step, for a caller that prepares between), if
+        the current one is still expect_current: another writer may have published meanwhile."""
         with self._locked():
+            if self.current != expect_current:
+                raise ValueError(f"rollback: draft version {self.current} was published meanwhile "
+                                 f"(the rollback was from {expect_current}); roll back again")
             self._make_current(version)
 
     def _make_current(self, version: int) -> None:
