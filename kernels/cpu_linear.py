@@ -76,7 +76,7 @@ def skinny_kernel():
     extension loader on first use (about 30 s once per machine; cached under ``OSD_SERVE_KERNEL_CACHE``,
     default ``~/.cache/osd-serve/kernels``, rebuilt when the source changes). Any failure is logged and
     leaves ``F.linear`` and oneDNN in place."""
-    if os.environ.get("OSD_SERVE_NO_CPU_KERNEL") or torch.backends.cpu.get_cpu_capability() != "AVX512":
+    if os.environ.get("OSD_SERVE_NO_CPU_KERNEL", "0") not in ("", "0") or torch.backends.cpu.get_cpu_capability() != "AVX512":
         return None
     log.info("loading kernels/cpu_skinny.cpp (compiled on first use, ~30 s once per machine)")
     try:
@@ -159,6 +159,9 @@ class PackedLinear(nn.Linear):
         use = _skinny_fits(w) and getattr(self, "_use_skinny", True)
         self._skinny = skinny_kernel() if use else None
 
+    def _release(self) -> None:
+        self._packed = self._packed_src = self._packed_of = None
+
     def __getstate__(self) -> dict:
         # oneDNN's packed tensor has no storage to copy or pickle, nor has the compiled kernel's handle:
         # deepcopy and pickle (Ray) carry the module without them, and its first inference call repacks
@@ -172,10 +175,15 @@ class PackedLinear(nn.Linear):
         # mkldnn's op, not on autocast's list, would not
         if (torch.is_grad_enabled() or not x.is_cpu or x.dtype != w.dtype or w.is_inference()
                 or torch.is_autocast_enabled("cpu")):
+            if not w.is_cpu and self._packed_src is not None:  # moved to a GPU: the CPU copies would stay for good
+                self._release()
             return F.linear(x, w, self.bias)
         skinny = rows <= SKINNY_MAX_ROWS and _skinny_fits(w)
         if self._packed_of != _weight_key(w, w._version):  # weights were loaded, moved or replaced since
             if not skinny and rows < _min_rows(w):  # no faster path: nothing to (re)pack for
+                # and the stale copies go: after .half() (a dtype neither path takes) every call came
+                # here, and the float32 weight and its oneDNN copy stayed in memory for good
+                self._release()
                 return F.linear(x, w, self.bias)
             self._pack()
         if skinny and self._skinny is not None:

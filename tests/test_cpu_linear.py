@@ -162,12 +162,16 @@ def test_unusable_kernel_cache_falls_back(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
 def test_converted_after_packing_still_runs(dtype):
-    """A packed float32 module moved to a dtype neither fast path takes falls back to F.linear."""
-    lin = _packed(64, 32, torch.float32, bias=True).to(dtype)
+    """A packed float32 module moved to a dtype neither fast path takes falls back to F.linear, and lets
+    go of its float32 copies: they stayed in memory for good (twice the weight, per layer)."""
+    lin = _packed(64, 32, torch.float32, bias=True)
+    assert lin._packed_src is not None
+    lin = lin.to(dtype)
     with torch.inference_mode():
         for rows in (1, 3, 12, 20, 72):
             x = torch.randn(rows, 32).to(dtype)
             torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
+    assert lin._packed is None and lin._packed_src is None
 
 
 def test_repacks_when_weights_change():

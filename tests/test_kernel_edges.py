@@ -191,8 +191,14 @@ def test_no_cpu_kernel_env_turns_the_kernel_off(monkeypatch):
     cpu_linear.skinny_kernel.cache_clear()
     try:
         assert cpu_linear.skinny_kernel() is None
-    finally:
         monkeypatch.delenv("OSD_SERVE_NO_CPU_KERNEL")
+        cpu_linear.skinny_kernel.cache_clear()
+        unset = cpu_linear.skinny_kernel()
+        monkeypatch.setenv("OSD_SERVE_NO_CPU_KERNEL", "0")  # "0" says no: it turned the kernel off too
+        cpu_linear.skinny_kernel.cache_clear()
+        assert (cpu_linear.skinny_kernel() is None) == (unset is None)
+    finally:
+        monkeypatch.delenv("OSD_SERVE_NO_CPU_KERNEL", raising=False)
         cpu_linear.skinny_kernel.cache_clear()
 
 
