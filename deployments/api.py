@@ -1,5 +1,5 @@
 """The HTTP surface (FastAPI), over any backend with the small interface below, so the same routes
-run behind Ray Serve (deployments/router.py) and in-process in tests.
+run behind Ray Serve (the Router in deployments/app.py) and in-process in tests.
 
 Backend:
     async stream(expert, prompt, params) -> async iterator of dicts

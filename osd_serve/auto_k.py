@@ -4,8 +4,8 @@ tokens per second for the batch it is running.
 Why one fixed k is wrong for a server: S = E[tokens] / (k·c + v) assumes verifying k+1 tokens per row
 costs what decoding 1 does (v = 1). That holds at batch 1 and on a GPU, where a forward is bound by
 reading the weights; on a CPU at batch 8 the linears are bound by their FLOPs, so v grows with the
-rows the batch verifies and the best k falls (the default pair on 2 cores: best k 4 at batch 1, 1 at
-batch 8, where k = 4 is slower than the target alone; benchmarks/ENGINE.md). Load changes the batch,
+rows the batch verifies and the best k falls (the default pair on 2 cores: best k 3-5 at batch 1, 1-2
+at batch 8, where k = 4 gives 0.97-1.14x the target alone; benchmarks/ENGINE.md). Load changes the batch,
 so the right k changes with it.
 
 The model, per step, for the rows' own acceptance α_i and the k each row would take:

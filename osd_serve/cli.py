@@ -417,7 +417,7 @@ def main(argv: list[str] | None = None) -> None:
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     b = sub.add_parser("bootstrap", help="build (or reuse) the embedded default target/draft pair")
-    b.add_argument("--data", nargs="+", metavar="FILE", help="train on these .jsonl/.json/.txt files instead of the built-in corpus")
+    b.add_argument("--data", nargs="+", metavar="FILE", help="train on these .jsonl/.jsonl.gz/.json/.txt files instead of the built-in corpus")
     b.add_argument("--out", help="output root (default $OSD_SERVE_HOME or ~/.cache/osd-serve)")
     b.add_argument("--force", action="store_true", help="rebuild even if a finished build exists")
     b.add_argument("--preset", default="default", choices=["default", "osd", "tiny"], help="tiny: seconds-long build for tests; osd: weak undistilled draft for online-distillation experiments")
