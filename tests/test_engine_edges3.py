@@ -10,7 +10,7 @@ import torch
 from osd_serve.config import EngineConfig, SamplingParams
 from osd_serve import output
 from osd_serve.engine import SpecEngine
-from tests.conftest import byte_fallback_tokenizer, llama, perturbed
+from tests.conftest import byte_fallback_tokenizer, gpt2, llama, perturbed
 
 
 @pytest.fixture(scope="module")
@@ -220,3 +220,18 @@ def test_the_cache_stays_narrow_under_traffic_that_never_empties_the_batch(tok, 
     assert max(widths[20:]) <= 3 + 8 + k + 1  # one row's prompt, output and a step's drafts
     done = [r for r in out if len(out[r]) == 8]
     assert len(done) >= 20 and all(out[r] == _hf_greedy(target, prompts[r], 8) for r in done)
+
+
+def test_a_row_at_the_context_limit_shares_a_step_with_a_wider_row(tok):
+    """A row verifies only its own k_i + 1 columns; the rest of the batch's width is padding, placed at
+    the row's last valid position. Marked valid, that padding ran at real positions, past the model's
+    last one for a row at the context end beside a row of larger k: GPT-2's learned position table has
+    no entry there (IndexError). Outputs elsewhere were unchanged, so only this case shows it."""
+    target = gpt2(len(tok), seed=0)  # n_positions 256
+    eng = SpecEngine(target, perturbed(target, 0.015), tok, EngineConfig(max_batch_size=2))
+    near = [5 + i % 7 for i in range(target.config.n_positions - 2)]  # 254 prompt tokens + 2 outputs: the whole context
+    params = [SamplingParams(max_tokens=2, num_speculative_tokens=1, ignore_eos=True),
+              SamplingParams(max_tokens=12, num_speculative_tokens=8, ignore_eos=True)]
+    outs = eng.generate([near, [5, 6, 7]], params)
+    assert [o.finish_reason for o in outs] == ["length", "length"]
+    assert [len(o.token_ids) for o in outs] == [2, 12]

@@ -41,6 +41,7 @@ def test_incremental_text_equals_full_decode(bpe):
         ids = [t for t in ids if t not in eos]
         r, pos, streamed = _request(max_tokens=rng.randint(5, len(ids))), 0, ""
         while not r.finished:
+            assert pos < len(ids), "unfinished with every token appended: max_tokens was not applied"  # not a hang
             n = rng.randint(1, 6)  # accepted tokens per step
             r.append(ids[pos : pos + n], bpe, eos)
             pos += n
@@ -275,6 +276,7 @@ def test_a_stream_never_shows_text_a_byte_fallback_decoder_rewrites_later(sp_byt
         r, one = Request("r", "", [1], params, None), Request("r", "", [1], params, None)
         pos, streamed, streamed_ids = 0, "", []
         while not r.finished:
+            assert pos < len(ids), "unfinished with every token appended: max_tokens was not applied"  # not a hang
             n = rng.randint(1, 6)  # accepted tokens per step
             r.append(ids[pos : pos + n], tk, set())
             pos += n

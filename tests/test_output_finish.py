@@ -134,3 +134,18 @@ def test_ids_past_the_tokenizer_do_not_end_a_byte_run(case):
             r.append([t], sp, set())
             streamed += r.delta().text
         assert r.text == want and streamed == want
+
+
+def test_an_eos_landing_exactly_on_max_tokens_is_a_stop(tok):
+    """EOS is checked before max_tokens (as vLLM does): an EOS that is the max_tokens-th token ends the
+    request as "stop" and its text stays out. With the checks swapped it ended as "length" with the
+    EOS (a newline token here, as some models' generation_config has) rendered; no test saw it."""
+    nl = tok.encode("\n")[0]
+    ids = tok.encode("abc\n")
+    r = Request("r", "", [3], SamplingParams(max_tokens=len(ids)), None)
+    r.append(ids, tok, {nl})
+    assert r.finish_reason == "stop" and r.output_ids == ids and r.text == "abc"
+    r = Request("r", "", [3], SamplingParams(max_tokens=len(ids)), None)  # one token per step
+    for t in ids:
+        r.append([t], tok, {nl})
+    assert r.finish_reason == "stop" and r.text == "abc"

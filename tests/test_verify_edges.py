@@ -166,3 +166,19 @@ def test_the_reference_and_the_kernel_verify_in_float32_whatever_the_dtype(impl,
     u = torch.tensor([[0.9, 0.49986114448455893]], dtype=torch.float64)  # between float16's and float32's boundaries
     args = torch.tensor([[2]]), torch.tensor([1]), u
     assert run(impl, target, draft, *args)[0].tolist() == run(impl, target.float(), draft.float(), *args)[0].tolist()
+
+
+def test_a_rejection_samples_a_residual_of_tiny_but_positive_mass():
+    """After a rejection the token comes from norm(max(0, p - q)) however little mass that has; only a
+    residual with none falls back to p. A threshold (float32 sum > 1e-6) instead of exact > 0 passed
+    every other test (found by mutation testing)."""
+    p = torch.tensor([0.6, 0.4])  # [V]
+    q = torch.tensor([0.6 + 4e-7, 0.4 - 4e-7])  # [V] q(0) > p(0): token 0 can be rejected
+    assert (p - q).clamp(min=0).double().sum() > 0  # residual [0, ~4e-7]: only token 1 has mass
+    target = p[None, None].repeat(1, 2, 1)  # [1, k+1, V], k = 1
+    draft = q[None, None]  # [1, k, V]
+    tokens, num_draft = torch.tensor([[0]]), torch.tensor([1])
+    # u_0 * q(0) >= p(0): rejected. u_1 = 0.1 picks token 0 from p, but only token 1 from the residual.
+    u = torch.tensor([[0.9999999, 0.1]], dtype=torch.float64)
+    out, acc = verify_reference(target, draft, tokens, num_draft, u)
+    assert acc.tolist() == [0] and out.tolist() == [[1, -1]]
