@@ -31,6 +31,11 @@ from osd_serve.config import short_repr
 
 from .config import AppConfig
 
+try:
+    from ray.serve.exceptions import BackPressureError
+except ImportError:  # the API runs in-process without Ray too
+    class BackPressureError(Exception):
+        pass
 
 logger = logging.getLogger(__name__)
 
@@ -62,9 +67,10 @@ def admin_error(e: Exception, param: str | None) -> RequestError:
 
 def classify(prompt: str, cfg: AppConfig) -> str:
     """The configured keyword classifier: the first expert with a keyword in the prompt."""
-    low = prompt.lower() if isinstance(prompt, str) else ""
+    # casefold, not lower: "STRASSE" is "straße" ignoring case, as the README promises
+    low = prompt.casefold() if isinstance(prompt, str) else ""
     for e in cfg.experts:
-        if any(k.lower() in low for k in e.keywords):
+        if any(k.casefold() in low for k in e.keywords):
             return e.name
     return cfg.default_expert
 
@@ -212,6 +218,8 @@ def make_app(backend, cfg: AppConfig) -> FastAPI:
             it = backend.stream(expert, prompt, params).__aiter__()
             first = await it.__anext__()  # bad input (too long a prompt...) raises here, before any 200
         except ValueError as e:
+            if isinstance(getattr(e, "cause", None), BaseException):  # a RayTaskError: raised in the replica, not bad input
+                raise engine_failed(e) from None
             err = engine_error(e)
             if chat and err.param == "prompt":  # the prompt rendered from the messages: chat's field is messages
                 err = RequestError(f"messages: the rendered {err}", "messages")
@@ -219,6 +227,8 @@ def make_app(backend, cfg: AppConfig) -> FastAPI:
                 err = RequestError(str(err).replace("max_tokens", alias), alias if err.param == "max_tokens" else err.param)
             raise err from None
         except Exception as e:  # noqa: BLE001  the backend call failed (its replica died): OpenAI's 500, not a bare one
+            if isinstance(e, BackPressureError):  # Serve's max_queued_requests: full, not failed
+                raise RequestError("the server is at capacity (its request queue is full); retry shortly", None, 503) from None
             raise engine_failed(e) from None
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         model, created = cfg.served_model_name, int(time.time())  # one timestamp for all of a stream's chunks

@@ -56,8 +56,8 @@ class SpecServer:
         return expert
 
     async def generate(self, payload: dict):
-        expert = await self.get_expert(serve.get_multiplexed_model_id() or payload["expert"])
         try:
+            expert = await self.get_expert(serve.get_multiplexed_model_id() or payload["expert"])
             it = self.service.stream(expert, payload["prompt"], SamplingParams(**payload["params"])).__aiter__()
             first = await it.__anext__()
         except ValueError as e:  # sent as data: the router turns it into a 400 naming the field
@@ -194,10 +194,14 @@ class _HandleBackend:
     async def stream(self, expert: str, prompt, params: SamplingParams):
         payload = {"expert": expert, "prompt": prompt, "params": asdict(params)}
         gen = self.handle.options(stream=True, multiplexed_model_id=expert).generate.remote(payload)
-        async for d in gen:
-            if "error" in d:
-                raise ValueError(d["error"])
-            yield d
+        try:
+            async for d in gen:
+                if "error" in d:
+                    raise ValueError(d["error"])
+                yield d
+        except (GeneratorExit, asyncio.CancelledError):  # the client went away: the engine aborts the request
+            gen.cancel()
+            raise
 
     async def admin_experts(self):
         return await self.handle.admin.remote("experts")

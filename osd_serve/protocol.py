@@ -262,7 +262,7 @@ class RequestError(ValueError):
         self.param, self.status, self.code = param, status, code
 
     def body(self) -> dict:
-        kind = {401: "authentication_error", 500: "server_error"}.get(self.status, "invalid_request_error")
+        kind = {401: "authentication_error", 500: "server_error", 503: "server_error"}.get(self.status, "invalid_request_error")
         return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}
 
 
