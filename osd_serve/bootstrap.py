@@ -26,7 +26,6 @@ import hashlib
 import json
 import os
 import re
-import socket
 import sys
 import tempfile
 import time
@@ -36,7 +35,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .cache_dir import build_lock, remove_tree, share_tree, sync_tree
+from .cache_dir import build_lock, owner_tag, remove_tree, share_tree, sweep_dead_tmp, sync_tree
 
 # Bumped whenever the recipe changes so stale caches are rebuilt rather than trusted.
 BUILD_VERSION = 3
@@ -292,10 +291,6 @@ def _is_complete(d: Path, cfg: PairConfig) -> bool:
     return _build_info(d, cfg) is not None
 
 
-def _owner() -> str:
-    return f"{socket.gethostname()} {os.getpid()}"
-
-
 def _ours(d: Path) -> bool:
     """A temp dir build_pair made: named .tmp-<cache name>-... (its build, or a finished one moved aside)
     and carrying its PID file or build.json. --out may be a directory the user keeps other .tmp-* in."""
@@ -304,37 +299,8 @@ def _ours(d: Path) -> bool:
 
 
 def _sweep_stale_tmp(root: Path, foreign_after_s: float = 86400.0, locked: bool = True) -> None:
-    """Delete temp dirs left by killed builds (up to ~130 MB each): their process is gone.
-
-    The PID file names the host too: on storage several nodes share, another node's build is
-    alive though its pid is not one here, so it is left alone for a day (a build takes minutes).
-    """
-    for d in root.glob(".tmp-*"):
-        if not _ours(d):
-            continue
-        age = 0.0
-        try:
-            age = time.time() - d.stat().st_mtime
-            host, _, pid = (d / "PID").read_text().strip().rpartition(" ")
-            if host and host != socket.gethostname():
-                if age < foreign_after_s:
-                    continue
-            else:
-                # Our own pid, with the root's lock held (locked): no build of this process is under way
-                # here, so a dead one's pid came round again (a container's entrypoint is pid 1 every
-                # start). Without the lock (a mount without flock) it may be a live build of ours.
-                if locked and int(pid) == os.getpid():
-                    raise ProcessLookupError
-                os.kill(int(pid), 0)  # signal 0 only checks the process exists
-                continue
-        except ProcessLookupError:
-            pass
-        except PermissionError:  # alive, another user's: signal 0 is refused, not answered with ESRCH
-            continue
-        except (OSError, ValueError):  # no PID file: a build between its last two writes, or moved aside
-            if age < 3600:
-                continue
-        remove_tree(d)
+    """Delete temp dirs left by killed builds (up to ~130 MB each): cache_dir.sweep_dead_tmp over ours."""
+    sweep_dead_tmp(root, _ours, foreign_after_s, locked)
 
 
 @contextlib.contextmanager
@@ -406,7 +372,7 @@ def _build_and_publish(root: Path, final: Path, data_files: list[str] | None, cf
     # crash leaves only a .tmp-* directory that never carries the marker.
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
     try:
-        (tmp / "PID").write_text(_owner())
+        (tmp / "PID").write_text(owner_tag())
         with _all_cores():
             info = _build_into(tmp, data_files, cfg, preset)
         share_tree(tmp)

@@ -1,5 +1,6 @@
 """The bootstrap cache directory's file-system helpers: the umask a build's files get, removing a build's
-temp dir, and the lock that keeps two builds of one cache from training side by side."""
+temp dir (and sweeping those of killed builds), and the lock that keeps two builds of one cache from
+training side by side."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import contextlib
 import errno
 import os
 import shutil
+import socket
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -94,3 +98,43 @@ def sync_tree(tree: Path, recurse: bool = True) -> None:
                 # cannot fsync (a directory, or at all) says EINVAL or ENOTSUP: best effort there.
                 if not is_dir and e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
                     raise
+
+
+def owner_tag() -> str:
+    """What a build writes to its temp dir's PID file: this host and process."""
+    return f"{socket.gethostname()} {os.getpid()}"
+
+
+def sweep_dead_tmp(root: Path, ours: Callable[[Path], bool], foreign_after_s: float = 86400.0,
+                   locked: bool = True) -> None:
+    """Delete the .tmp-* dirs under root that ``ours`` claims and whose build process is gone.
+
+    The PID file (owner_tag) names the host too: on storage several nodes share, another node's build
+    is alive though its pid is not one here, so it is left alone for a day (a build takes minutes).
+    """
+    for d in root.glob(".tmp-*"):
+        if not ours(d):
+            continue
+        age = 0.0
+        try:
+            age = time.time() - d.stat().st_mtime
+            host, _, pid = (d / "PID").read_text().strip().rpartition(" ")
+            if host and host != socket.gethostname():
+                if age < foreign_after_s:
+                    continue
+            else:
+                # Our own pid, with the root's lock held (locked): no build of this process is under way
+                # here, so a dead one's pid came round again (a container's entrypoint is pid 1 every
+                # start). Without the lock (a mount without flock) it may be a live build of ours.
+                if locked and int(pid) == os.getpid():
+                    raise ProcessLookupError
+                os.kill(int(pid), 0)  # signal 0 only checks the process exists
+                continue
+        except ProcessLookupError:
+            pass
+        except PermissionError:  # alive, another user's: signal 0 is refused, not answered with ESRCH
+            continue
+        except (OSError, ValueError):  # no PID file: a build between its last two writes, or moved aside
+            if age < 3600:
+                continue
+        remove_tree(d)

@@ -290,18 +290,18 @@ class _LongInt:
         return f"an integer of {self.digits} digits"
 
 
-def _json_int(text: str, seen: list[_LongInt]) -> int | _LongInt:
-    try:
-        return int(text)
-    except ValueError:
-        seen.append(_LongInt(text))
-        return seen[-1]
-
-
 def parse_request(raw: bytes, model: type[BaseModel]) -> BaseModel:
     long_ints: list[_LongInt] = []
+
+    def parse_int(text: str) -> int | _LongInt:  # one call per integer: a prompt of token ids has 100k of them
+        try:
+            return int(text)
+        except ValueError:
+            long_ints.append(_LongInt(text))
+            return long_ints[-1]
+
     try:
-        data = json.loads(raw or b"null", parse_constant=_not_json, parse_int=lambda t: _json_int(t, long_ints))
+        data = json.loads(raw or b"null", parse_constant=_not_json, parse_int=parse_int)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise RequestError(f"body is not valid JSON: {e}") from None
     except _NotJSON as e:

@@ -116,7 +116,7 @@ def test_a_removal_cut_short_leaves_a_temp_dir_the_next_sweep_claims(tmp_path, m
     d = tmp_path / ".tmp-tiny-pair-abc"
     (d / "target").mkdir(parents=True)
     (d / "target" / "model.safetensors").write_bytes(b"0" * 1000)
-    (d / "PID").write_text(f"{bootstrap.socket.gethostname()} 999999999")
+    (d / "PID").write_text(f"{cache_dir.socket.gethostname()} 999999999")
     (d / "build.json").write_text("{}")
     real = cache_dir.shutil.rmtree
 
@@ -170,10 +170,10 @@ def test_a_dead_builds_temp_dir_with_this_processs_pid_is_swept(tmp_path):
     process is under way there."""
     d = tmp_path / ".tmp-tiny-pair-killed01"
     (d / "target").mkdir(parents=True)
-    (d / "PID").write_text(f"{bootstrap.socket.gethostname()} {os.getpid()}")
+    (d / "PID").write_text(f"{cache_dir.socket.gethostname()} {os.getpid()}")
     live = tmp_path / ".tmp-tiny-pair-live02"  # another live process's build stays
     live.mkdir()
-    (live / "PID").write_text(f"{bootstrap.socket.gethostname()} {os.getppid()}")
+    (live / "PID").write_text(f"{cache_dir.socket.gethostname()} {os.getppid()}")
     bootstrap._sweep_stale_tmp(tmp_path, locked=False)  # no lock (a mount without flock): maybe a live build of ours
     assert d.exists() and live.exists()
     bootstrap._sweep_stale_tmp(tmp_path)

@@ -126,7 +126,7 @@ def test_a_running_build_survives_another_nodes_sweep(tmp_path, monkeypatch):
     up there, found dead, and the running build deleted under it."""
     def build(out, *args):
         with monkeypatch.context() as mp:
-            mp.setattr(bootstrap.socket, "gethostname", lambda: "other-node")
+            mp.setattr(cache_dir.socket, "gethostname", lambda: "other-node")
 
             def no_such_process(pid, sig):
                 raise ProcessLookupError

@@ -56,6 +56,13 @@ def _app(monkeypatch, script):
     return make_app(app._HandleBackend([e.name for e in cfg.experts]), cfg), handle
 
 
+def _post(fastapi_app, body: dict) -> httpx.Response:
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=fastapi_app), base_url="http://t") as c:
+            return await c.post("/v1/completions", json=body)
+    return asyncio.run(run())
+
+
 async def _endless(payload):
     i = 0
     while True:
@@ -120,13 +127,7 @@ def test_a_replicas_own_exception_is_a_500_not_its_traceback_as_a_400(monkeypatc
         raise remote_error()
         yield
 
-    fastapi_app, _ = _app(monkeypatch, fails)
-
-    async def run():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=fastapi_app), base_url="http://t") as c:
-            return await c.post("/v1/completions", json={"prompt": "select 1"})
-
-    r = asyncio.run(run())
+    r = _post(_app(monkeypatch, fails)[0], {"prompt": "select 1"})
     assert r.status_code == 500 and r.json()["error"]["type"] == "server_error", r.text
     assert "pid=" not in r.text and "10.0.0.7" not in r.text, r.text
 
@@ -158,13 +159,7 @@ def test_a_full_request_queue_is_a_503(monkeypatch):
         raise BackPressureError(num_queued_requests=4, max_queued_requests=4)
         yield
 
-    fastapi_app, _ = _app(monkeypatch, full)
-
-    async def run():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=fastapi_app), base_url="http://t") as c:
-            return await c.post("/v1/completions", json={"prompt": "x"})
-
-    r = asyncio.run(run())
+    r = _post(_app(monkeypatch, full)[0], {"prompt": "x"})
     assert r.status_code == 503 and "capacity" in r.json()["error"]["message"], r.text
 
 

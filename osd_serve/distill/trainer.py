@@ -141,7 +141,7 @@ class DistillTrainer:
         reset_to makes (a copy of the draft, an upcast, peft, the float32 copy to revert to), so that
         a caller can build it before changing anything else. AdamW allocates its moments lazily."""
         student = self._build_student(state)
-        return student, {n: p.detach().clone() for n, p in student.named_parameters() if p.requires_grad}
+        return student, self._trainable_state(student)
 
     def adopt(self, built: tuple) -> None:
         self.student, self._published = built
@@ -153,8 +153,9 @@ class DistillTrainer:
     def _new_optimizer(self):
         return torch.optim.AdamW(self._params(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
 
-    def _trainable_state(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach().clone() for n, p in self.student.named_parameters() if p.requires_grad}
+    def _trainable_state(self, student=None) -> dict[str, torch.Tensor]:
+        student = self.student if student is None else student
+        return {n: p.detach().clone() for n, p in student.named_parameters() if p.requires_grad}
 
     # ---- batches ---------------------------------------------------------------------------------
     @torch.no_grad()

@@ -235,8 +235,7 @@ class VersionStore:
 
     def load(self, version: int | None = None) -> dict[str, torch.Tensor]:
         version = self.current if version is None else version
-        if version not in self.manifest["versions"]:
-            raise KeyError(f"draft version {version} is not kept (kept: {self.manifest['versions']})")
+        self._check_kept(version)
         return load_file(str(self.path(version) / "draft.safetensors"))
 
     def rollback(self, to: int | None = None) -> tuple[int, dict[str, torch.Tensor]]:
@@ -263,9 +262,12 @@ class VersionStore:
                                  f"(the rollback was from {expect_current}); roll back again")
             self._make_current(version)
 
-    def _make_current(self, version: int) -> None:
+    def _check_kept(self, version: int | None) -> None:
         if version not in self.manifest["versions"]:
             raise KeyError(f"draft version {version} is not kept (kept: {self.manifest['versions']})")
+
+    def _make_current(self, version: int) -> None:
+        self._check_kept(version)
         self.manifest["current"] = version
         self._write_manifest()
 
