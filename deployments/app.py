@@ -22,7 +22,7 @@ from ray.serve.handle import DeploymentHandle
 from osd_serve.config import SamplingParams
 
 from .api import make_app
-from .config import AppConfig, parse_config, replica_app, versions_root
+from .config import AppConfig, check_gpu_reservation, parse_config, replica_app, versions_root
 
 
 @serve.deployment(name="SpecServer", max_ongoing_requests=64)
@@ -31,6 +31,7 @@ class SpecServer:
         from osd_serve.service import SpecService
 
         self.cfg = AppConfig.model_validate(cfg)
+        check_gpu_reservation(self.cfg, "SpecServer")
         try:
             tag, private = serve.get_replica_context().replica_id.unique_id, True
         except Exception:  # noqa: BLE001  outside a replica (unit tests)

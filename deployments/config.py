@@ -6,6 +6,7 @@ than or equal to 1`, and unknown keys are refused so a typo never silently falls
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from pathlib import Path
@@ -232,6 +233,31 @@ def replica_app() -> str | None:
         return get_replica_context().app_name
     except Exception:  # noqa: BLE001  RayServeException outside a replica, ImportError without Ray
         return None
+
+
+def check_gpu_reservation(cfg: AppConfig, deployment: str) -> None:
+    """Warns where a replica will run on CUDA without having reserved a GPU (ray_actor_options.num_gpus).
+
+    Ray (2.60) then leaves CUDA_VISIBLE_DEVICES alone, so the replica can use any GPU, but counts that
+    GPU as free: it places more replicas, and the distiller's Ray Train workers (which take the GPUs
+    serving leaves idle), on it, and they run out of memory or slow each other unsaid. A warning, not an
+    error, since one replica alone on a GPU still serves. (A cuda:N past the GPUs a replica reserved is
+    already a ValueError naming the device, in ModelConfig.)"""
+    try:
+        import ray
+        import torch
+        from ray.serve import get_replica_context
+
+        get_replica_context()  # raises outside a replica (scripts, tests): no reservation to check
+        reserved = ray.get_gpu_ids()
+    except Exception:  # noqa: BLE001  RayServeException outside a replica, ImportError without Ray
+        return
+    cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
+    if cuda and not reserved:
+        logging.getLogger(__name__).warning(
+            "%s runs on CUDA (device %r) but reserved no GPU, so Ray counts the GPU as free and places other "
+            "replicas and distillation workers on it. Add num_gpus (1, or a fraction such as 0.5) to %s's "
+            "ray_actor_options in serve_config.yaml", deployment, cfg.device, deployment)
 
 
 def versions_root(cfg: AppConfig, app: str | None) -> Path:

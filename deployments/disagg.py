@@ -35,7 +35,7 @@ from osd_serve.output import Request, finish_counts, fit_max_tokens
 from osd_serve.serving import StallWatch
 
 from .app import Readiness
-from .config import AppConfig, replica_app, versions_root
+from .config import AppConfig, check_gpu_reservation, replica_app, versions_root
 
 IDLE_SEQUENCE_S = 600.0  # see Verifier._forget_idle
 RELEASED_KEPT = 4096  # released ids a replica remembers; a call queued before its release is seconds old
@@ -64,6 +64,7 @@ def _load(cfg: AppConfig, role: str):
     from osd_serve.loading import check_same_vocab, check_vocab_rows, load_model, load_tokenizer, pack_target, pair_limits
     from osd_serve.service import model_config
 
+    check_gpu_reservation(cfg, "Verifier" if role == "target" else "DraftPool")
     mc = model_config(cfg)
     # as load_pair does in the colocated topology: a replica with a mismatched pair never starts
     tok = load_tokenizer(mc.target)
