@@ -80,7 +80,11 @@ class ReplayBufferActor:
         # buffer must own its records, or a replica that goes away would take its records along.
         return self.buffer.add(RecordRef([ray.put(record)], nbytes, expert, getattr(record, "heldout", False)))
 
-    def due(self) -> dict[str, str]:
+    def due(self, cfg: dict | None = None, pair: list[str] | None = None) -> dict[str, str]:
+        """cfg, pair: the application's current ones (the controller's saved settings). A restart re-ran
+        __init__ with its creation's config, and nothing configured it again until a replica started."""
+        if cfg is not None and self.pair is None:
+            self.configure(cfg, pair)
         return self.buffer.due()
 
     def take(self, expert: str) -> tuple[list, list[bool], tuple]:
@@ -172,7 +176,7 @@ def run_train_job(plan: dict, record_refs: list, draft_path: str, state_path: st
                   storage: str) -> tuple[dict, dict]:
     """One Ray Train TorchTrainer run; returns the trained serving state (names of the draft) and rank
     0's metrics (steps taken, first and last loss)."""
-    from ray.train import RunConfig, ScalingConfig
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
     from safetensors.torch import load_file
 
@@ -182,7 +186,11 @@ def run_train_job(plan: dict, record_refs: list, draft_path: str, state_path: st
                            "train": train_cfg, "steps": steps, "use_gpu": plan["use_gpu"]},
         scaling_config=ScalingConfig(num_workers=plan["num_workers"], use_gpu=plan["use_gpu"],
                                      resources_per_worker=None if plan["use_gpu"] else {"CPU": plan["cpus_per_worker"]}),
-        run_config=RunConfig(storage_path=storage, name=(name := f"distill-{time.time_ns()}")),
+        # controller_failure_limit=0: Ray Train's default (-1) retried a worker group that could not start
+        # (the planned idle capacity taken by serving meanwhile) forever, and fit() never returned. Failed
+        # here, the job is re-planned after the controller's back-off.
+        run_config=RunConfig(storage_path=storage, name=(name := f"distill-{time.time_ns()}"),
+                             failure_config=FailureConfig(controller_failure_limit=0)),
     )
     try:
         result = trainer.fit()
@@ -200,10 +208,15 @@ class DistillController:
     MAX_EVENTS = 1000
 
     def __init__(self, draft_path: str, versions_dir: str, train_cfg: dict, steps: int, max_workers: int = 4,
-                 heldout: int = 16, poll_s: float = 1.0, keep_versions: int = 5, buffer_name: str = BUFFER_NAME):
+                 heldout: int = 16, poll_s: float = 1.0, keep_versions: int = 5, buffer_name: str = BUFFER_NAME,
+                 buffer_cfg: dict | None = None, pair: list[str] | None = None):
         # A restart (max_restarts) re-runs this with its creation's arguments: the last configure() saved
         # the current ones, read back here (a new controller gets connect()'s configure() at once anyway).
-        self.configure(draft_path, versions_dir, train_cfg, steps, max_workers, heldout, keep_versions, save=False)
+        # Always under the creation's versions_dir: that is the only place a restart knows to look, also
+        # after a redeploy has moved versions_dir.
+        self._settings_path = Path(os.path.expanduser(versions_dir)) / SETTINGS_FILE
+        self.configure(draft_path, versions_dir, train_cfg, steps, max_workers, heldout, keep_versions, save=False,
+                       buffer_cfg=buffer_cfg, pair=pair)
         self._load_settings()
         self.buffer = ray.get_actor(buffer_name, namespace=NAMESPACE)
         self.load: dict[str, tuple[float, float, float]] = {}  # replica -> (ongoing, capacity, time), from heartbeats
@@ -214,18 +227,25 @@ class DistillController:
         threading.Thread(target=self._loop, args=(poll_s,), daemon=True).start()
 
     def configure(self, draft_path: str, versions_dir: str, train_cfg: dict, steps: int, max_workers: int = 4,
-                  heldout: int = 16, keep_versions: int = 5, save: bool = True) -> None:
+                  heldout: int = 16, keep_versions: int = 5, save: bool = True, buffer_cfg: dict | None = None,
+                  pair: list[str] | None = None) -> None:
         """The actor is detached and outlives the app: a redeploy brings its config here. One
-        assignment, read once per job (``_update``), so a running job keeps the settings it started with."""
+        assignment, read once per job (``_update``), so a running job keeps the settings it started with.
+        buffer_cfg, pair: the buffer's, handed to it at each poll (a restarted buffer has its creation's);
+        checked here, as a bad one read back from controller.json would fail every poll."""
+        if buffer_cfg is not None:
+            BufferConfig(**buffer_cfg)  # TypeError/ValueError: _load_settings keeps the creation's settings
+        if pair is not None and not (isinstance(pair, list) and all(isinstance(p, str) for p in pair)):
+            raise TypeError(f"pair: a list of model paths, got {pair!r}")
         self.settings = {"draft_path": draft_path, "versions_dir": Path(os.path.expanduser(versions_dir)),
                          "train_cfg": train_cfg, "steps": steps, "max_workers": max_workers, "heldout": heldout,
-                         "keep_versions": keep_versions}
+                         "keep_versions": keep_versions, "buffer_cfg": buffer_cfg, "pair": pair}
         if save:
             self._save_settings()
 
     def _save_settings(self) -> None:
         try:  # what a restart (max_restarts) reads back, as __init__ then gets its creation's arguments
-            path = self.settings["versions_dir"] / SETTINGS_FILE
+            path = self._settings_path
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f".{SETTINGS_FILE}.{os.getpid()}")
             tmp.write_text(json.dumps(self._plain_settings()))
@@ -234,7 +254,7 @@ class DistillController:
             logger.warning("distill controller: its settings could not be saved for a restart (%s)", e)
 
     def _load_settings(self) -> None:
-        path = self.settings["versions_dir"] / SETTINGS_FILE
+        path = self._settings_path
         if not path.exists():
             self._save_settings()
             return
@@ -273,7 +293,7 @@ class DistillController:
         backoff = self.backoff
         while not self._stop.is_set():
             try:
-                due = ray.get(self.buffer.due.remote())
+                due = ray.get(self.buffer.due.remote(self.settings["buffer_cfg"], self.settings["pair"]))
             except Exception as e:  # noqa: BLE001  the buffer restarting: asked again next poll
                 self.events.append({"error": repr(e), "time": time.time()})
                 logger.warning("distill controller: %r", e)
@@ -423,9 +443,9 @@ def connect(cfg, app: str | None = None) -> tuple:
     buffer = ReplayBufferActor.options(name=buffer_name, **opts).remote(buffer_cfg)
     train = {"mode": d.mode, "lr": d.lr, "steps_per_update": d.steps_per_update}
     args = (model_paths(cfg)[1], str(versions), train, d.steps_per_update, d.max_train_workers)
-    controller = DistillController.options(name=controller_name, **opts).remote(*args, keep_versions=d.keep_versions,
-                                                                                buffer_name=buffer_name)
-    ray.get([buffer.configure.remote(buffer_cfg, pair), controller.configure.remote(*args, keep_versions=d.keep_versions)])
+    extra = {"keep_versions": d.keep_versions, "buffer_cfg": buffer_cfg, "pair": pair}
+    controller = DistillController.options(name=controller_name, **opts).remote(*args, buffer_name=buffer_name, **extra)
+    ray.get([buffer.configure.remote(buffer_cfg, pair), controller.configure.remote(*args, **extra)])
     return buffer, controller
 
 

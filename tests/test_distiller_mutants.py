@@ -303,9 +303,10 @@ def test_connect_gives_the_actors_the_config(monkeypatch):
     opts = {"namespace": dist.NAMESPACE, "get_if_exists": True, "lifetime": "detached", "max_restarts": -1}
     names = dist.actor_names("llama")
     pair = ["org/target", "org/draft"]
+    extra = {"keep_versions": 2, "buffer_cfg": buffer_cfg, "pair": pair}  # the buffer's: a restarted one gets them
     assert made == [("buffer", {"name": names[0], **opts}, (buffer_cfg,), {}),
-                    ("controller", {"name": names[1], **opts}, args, {"keep_versions": 2, "buffer_name": names[0]})]
-    assert configured == [("buffer", (buffer_cfg, pair), {}), ("controller", args, {"keep_versions": 2})]
+                    ("controller", {"name": names[1], **opts}, args, {"buffer_name": names[0], **extra})]
+    assert configured == [("buffer", (buffer_cfg, pair), {}), ("controller", args, extra)]
     # the pair as configured: the embedded default's paths differ from node to node
     assert dist.pair_of(parse_config({})) == ["embedded default", "embedded default"]
     # Each Serve application its own pair of actors; a caller outside any replica gets the default app's

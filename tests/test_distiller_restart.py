@@ -1,0 +1,95 @@
+"""The Ray Train backend's actors across a restart, and a Train job whose workers cannot start. Tested
+without a Ray cluster, as test_distiller_mutants.py does: the classes behind @ray.remote, remote calls
+made plain. Ray restarts a dead actor (max_restarts) by re-running __init__ with its creation's
+arguments, so what a redeploy changed since must come from somewhere else."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+
+pytest.importorskip("ray.serve")
+
+import deployments.distiller as dist  # noqa: E402
+from tests.test_distiller_mutants import _cls, _polls, _rec, draft_dir, plain_ray  # noqa: E402, F401
+
+CREATED = {"max_bytes": 4096 << 20, "trigger_records": 8, "trigger_age_s": 60.0}
+CURRENT = {"max_bytes": 300, "trigger_records": 2, "trigger_age_s": 60.0}
+
+
+def test_a_train_job_whose_workers_cannot_start_fails_instead_of_retrying_forever(monkeypatch, tmp_path):
+    """The plan is made from the capacity idle at that moment; serving can take it before the workers
+    start. Ray Train's default (controller_failure_limit -1) then retried the start forever: fit() never
+    returned and the controller's one thread trained nothing else, ever. Ray's own failure policy, fed
+    the run config the job passes, must give up, so the failure reaches the controller's back-off."""
+    from ray.train import Checkpoint
+    from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
+    from ray.train.v2._internal.execution.failure_handling.factory import create_failure_policy
+    from ray.train.v2.api.exceptions import ControllerError
+    from safetensors.torch import save_file
+    import ray.train.torch as rtt
+    import torch
+
+    seen = {}
+
+    class Trainer:  # Ray Train's TorchTrainer, minus the cluster: it records the run config
+        def __init__(self, fn, train_loop_config, scaling_config, run_config):
+            seen["run_config"] = run_config
+
+        def fit(self):
+            (d := tmp_path / "ck").mkdir()
+            save_file({"w": torch.zeros(1)}, str(d / "draft.safetensors"))
+            return types.SimpleNamespace(checkpoint=Checkpoint.from_directory(str(d)), metrics={"steps": 1})
+
+    monkeypatch.setattr(rtt, "TorchTrainer", Trainer)
+    dist.run_train_job({"num_workers": 2, "use_gpu": True}, [], "d", "s", {}, 1, str(tmp_path))
+    policy = create_failure_policy(seen["run_config"].failure_config)
+    decision = policy.make_decision(ControllerError(WorkerGroupStartupTimeoutError(2)))
+    assert decision.value.upper() == "RAISE"
+
+
+def test_a_restarted_controller_keeps_the_settings_of_the_last_redeploy(plain_ray, tmp_path, draft_dir):
+    """A redeploy moved versions_dir: its settings were saved there, and the restart read the creation's
+    directory, so it trained the old draft and published where no replica watches, unsaid."""
+    C = _cls(dist.DistillController)
+    old, new = str(tmp_path / "old"), str(tmp_path / "new")
+    ctrl = C(draft_dir, old, {"mode": "full"}, 3, poll_s=3600)
+    ctrl.configure("org/new-draft", new, {"mode": "lora"}, 7, 2, 4, 9, buffer_cfg=CURRENT, pair=["t", "d"])
+    restarted = C(draft_dir, old, {"mode": "full"}, 3, poll_s=3600)
+    assert restarted.status()["settings"] == ctrl.status()["settings"]
+    assert restarted.status()["settings"]["versions_dir"] == new and restarted.settings["buffer_cfg"] == CURRENT
+
+
+@pytest.mark.parametrize("bad", [{"buffer_cfg": {"max_bytes": "lots"}}, {"buffer_cfg": {"size": 1}},
+                                 {"buffer_cfg": {**CURRENT, "trigger_records": 0}}, {"pair": "t,d"}])
+def test_a_bad_buffer_setting_read_back_keeps_the_creations(plain_ray, tmp_path, draft_dir, bad):
+    """buffer_cfg and pair go to the buffer at every poll: a bad one read back failed every poll."""
+    C = _cls(dist.DistillController)
+    ctrl = C(draft_dir, str(tmp_path), {"mode": "full"}, 3, poll_s=3600, buffer_cfg=CURRENT, pair=["t", "d"])
+    path = tmp_path / dist.SETTINGS_FILE
+    path.write_text(json.dumps({**json.loads(path.read_text()), "steps": 99, **bad}))
+    restarted = C(draft_dir, str(tmp_path), {"mode": "full"}, 3, poll_s=3600, buffer_cfg=CURRENT, pair=["t", "d"])
+    assert restarted.settings == ctrl.settings  # the creation's, none of the file's (steps 99 too)
+    assert json.loads(path.read_text())["steps"] == 3  # and saved over the bad file
+
+
+def test_a_restarted_buffer_gets_the_current_config_at_the_controllers_next_poll(plain_ray, tmp_path, draft_dir):
+    """A redeploy changed buffer_mb and the triggers; the buffer actor died and came back with its
+    creation's bound and triggers, and no pair, until some replica started. The controller's poll
+    hands it the current ones; a buffer that knows its pair keeps its own."""
+    C = _cls(dist.DistillController)
+    ctrl = C(draft_dir, str(tmp_path), {"mode": "full"}, 3, poll_s=3600, buffer_cfg=CURRENT, pair=["t", "d"])
+    restarted = _cls(dist.ReplayBufferActor)(CREATED)  # what Ray runs on a restart
+    plain_ray.__dict__.update(restarted.__dict__)  # the controller's handle now reaches the restarted one
+    ctrl._update = lambda expert, trigger, settings: None  # a due trigger trains nothing here
+    ctrl._stop = _polls(1)
+    ctrl._loop(0)
+    for _ in range(5):
+        plain_ray.add("default", _rec(), 100, ["t", "d"])
+    assert plain_ray.buffer.cfg.max_bytes == 300 and plain_ray.stats()["default"]["bytes"] == 300
+    assert plain_ray.due() == {"default": "size"}  # trigger_records 2, not the creation's 8
+    assert not plain_ray.add("default", _rec(), 100, ["old", "pair"])  # its pair is known again
+    plain_ray.due({**CURRENT, "max_bytes": 1000}, ["t", "d"])  # configured already: a poll changes nothing
+    assert plain_ray.buffer.cfg.max_bytes == 300
