@@ -34,10 +34,12 @@ from osd_serve.distill.versions import VersionStore
 from osd_serve.output import Request, finish_counts, fit_max_tokens
 from osd_serve.serving import StallWatch
 
+from .api import BackPressureError
 from .app import Readiness
 from .config import AppConfig, check_gpu_reservation, replica_app, versions_root
 
 IDLE_SEQUENCE_S = 600.0  # see Verifier._forget_idle
+RELEASE_TRIES = 6  # a release refused by a full queue is sent again, 0.05 s later, then 0.1 s, ... (1.55 s in all)
 RELEASED_KEPT = 4096  # released ids a replica remembers; a call queued before its release is seconds old
 
 
@@ -230,7 +232,7 @@ class Verifier(_Batched):
                 self.live.pop(it.seq_id, None)
                 self.live[it.seq_id] = (it.expert, now)
         self._forget_idle(now)
-        verdicts, stats = await self._run(self.core.verify, items)
+        verdicts, stats = await self._run(self._verify, items)
         self.recomputed += sum(v.recomputed for v in verdicts)
         for expert, st in stats.items():
             self.telemetry.on_step(expert, st)
@@ -239,6 +241,17 @@ class Verifier(_Batched):
                 self.versions[it.expert] = it.draft_version
                 self.telemetry.on_event(it.expert, version=it.draft_version)
         return verdicts
+
+    def _verify(self, items: list[VerifyItem]):  # the torch thread
+        out = self.core.verify(items)
+        # As DraftPool._propose: a release that overtook this call in the batch queue found the row gone,
+        # and the call has just rebuilt it (the whole history): freed now, not after IDLE_ROW_S. Its
+        # recorder trace is left alone: this call may have been queued on this thread before the
+        # release's own finish(), which makes the replay record from it (a late one goes by LRU).
+        for it in items:
+            if it.seq_id in self.released:
+                self.core.release(it.seq_id)
+        return out
 
     async def release(self, seq_id: str, expert: str, latency_s: float, *, finish_reason: str | None = None,
                       prompt_ids: list[int] | None = None, output_ids: list[int] | None = None) -> None:
@@ -346,7 +359,11 @@ class DisaggBackend:
 
         if params.auto_k:  # before any setup: a 400 naming the field, as AppConfig refuses it for the server
             raise ValueError("num_speculative_tokens: 'auto' needs the colocated topology; give an integer")
-        await self._ensure_ready()
+        try:
+            await self._ensure_ready()
+        except Exception as e:  # noqa: BLE001  the server's failure, not the client's: no 400 quoting model paths
+            logging.getLogger(__name__).warning("router set-up failed: %r", e)
+            raise RuntimeError(f"the router's set-up failed ({type(e).__name__}); its log says why") from None
         t0 = time.perf_counter()
         # in a thread: a long prompt takes seconds to encode, which would stall this router's event loop
         text, ids = await asyncio.to_thread(prepare_prompt, self.tokenizer, self.vocab, self.max_len, prompt, params)
@@ -355,14 +372,20 @@ class DisaggBackend:
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         drafts = self.drafts.options(multiplexed_model_id=expert)
         verifier = self.verifier.options(session_id=req.request_id)
+        sent = False
         try:
             try:
                 async for d in run_request(req, seed, self.tokenizer, self.eos, drafts.propose.remote, verifier.verify.remote):
+                    sent = True
                     yield {"text": d.text, "token_ids": d.token_ids, "finished": d.finished, "finish_reason": d.finish_reason,
                            "prompt_tokens": len(ids)}
             except Exception as e:  # noqa: BLE001  a failed call (a replica died, a batch raised): the API's error, as colocated
-                logging.getLogger(__name__).error("request %s failed: %r", req.request_id, e, exc_info=e)
                 req.finish_reason = "error"  # as released: not "abort", which is a client gone away
+                if not sent:  # no answer started: the API's status, as colocated (a full queue's 503, else 500)
+                    if isinstance(e, ValueError) and not isinstance(getattr(e, "cause", None), BaseException):
+                        raise RuntimeError(f"the request loop failed: {type(e).__name__}") from e  # never a 400
+                    raise
+                logging.getLogger(__name__).error("request %s failed: %r", req.request_id, e, exc_info=e)
                 yield {"text": "", "token_ids": [], "finished": True, "finish_reason": "error", "prompt_tokens": len(ids)}
         finally:  # finished, failed or the client went away: free the sequence on both sides, without waiting
             record = {"prompt_ids": req.prompt_ids, "output_ids": req.output_ids} if self.cfg.distill.enabled else {}
@@ -381,11 +404,20 @@ class DisaggBackend:
                        record: dict) -> None:
         # keywords past the first three: a Verifier of another version (a rolling upgrade) never reads
         # the prompt ids as the finish reason
-        results = await asyncio.gather(drafts.release.remote(seq_id), verifier.release.remote(
-            seq_id, expert, latency_s, finish_reason=finish, **record), return_exceptions=True)
-        for where, r in zip(("DraftPool", "Verifier"), results):
-            if isinstance(r, BaseException):
-                logging.getLogger(__name__).warning("releasing %s on the %s failed: %r", seq_id, where, r)
+        calls = {"DraftPool": lambda: drafts.release.remote(seq_id), "Verifier": lambda: verifier.release.remote(
+            seq_id, expert, latency_s, finish_reason=finish, **record)}
+        for attempt in range(RELEASE_TRIES):
+            results = await asyncio.gather(*(call() for call in calls.values()), return_exceptions=True)
+            # refused by a full queue (max_queued_requests): never reached a replica, so sent again; a lost
+            # release keeps the sequence running on the Verifier for IDLE_SEQUENCE_S and its rows for IDLE_ROW_S
+            full = {where: call for (where, call), r in zip(calls.items(), results) if isinstance(r, BackPressureError)}
+            for where, r in zip(calls, results):
+                if isinstance(r, BaseException) and (where not in full or attempt == RELEASE_TRIES - 1):
+                    logging.getLogger(__name__).warning("releasing %s on the %s failed: %r", seq_id, where, r)
+            if not full:
+                return
+            calls = full
+            await asyncio.sleep(0.05 * 2 ** attempt)
 
     async def admin_experts(self):
         # Verifier replicas are not addressable one by one through a handle; this asks one of them

@@ -1,0 +1,146 @@
+"""From a review of the disaggregated request path (DisaggBackend behind the HTTP API, and the Verifier),
+over the in-process handles of test_disagg_deployment.py: a failure before the first token answers as
+the colocated topology does (503 for a full queue, 500 otherwise, before any 200), a server-side set-up
+failure is not the client's 400, a release refused by a full queue is sent again, and a verify that a
+release overtook leaves no target row behind."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+pytest.importorskip("ray.serve")
+
+from ray.exceptions import ActorDiedError, RayTaskError  # noqa: E402
+from ray.serve.exceptions import BackPressureError  # noqa: E402
+
+from deployments.api import make_app  # noqa: E402
+from deployments.config import AppConfig  # noqa: E402
+from tests.test_disagg_deployment import _backend  # noqa: E402
+
+CFG = AppConfig(distill={"enabled": False})
+BODY = {"prompt": "def g(", "max_tokens": 12, "ignore_eos": True, "temperature": 0}
+
+
+def _full() -> BackPressureError:
+    return BackPressureError(num_queued_requests=4, max_queued_requests=4)
+
+
+def _failing(handle, method: str, errors: list) -> list:
+    """The handle's method raises errors[i] at its i-th call (None: the real call). Returns the calls' args."""
+    real, calls = handle.methods[method], []
+
+    async def call(*args, **kwargs):
+        calls.append(args)
+        if len(calls) <= len(errors) and errors[len(calls) - 1] is not None:
+            raise errors[len(calls) - 1]
+        return await real(*args, **kwargs)
+
+    handle.methods[method] = call
+    return calls
+
+
+def _serve(backend, body: dict, settle=lambda: True) -> httpx.Response:
+    """POSTs a completion, then keeps the loop running until settle() (the releases run after the response)."""
+    async def run():
+        transport = httpx.ASGITransport(app=make_app(backend, CFG))
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            r = await c.post("/v1/completions", json=body)
+        for _ in range(500):
+            if settle():
+                break
+            await asyncio.sleep(0.01)
+        return r
+    return asyncio.run(asyncio.wait_for(run(), 60))
+
+
+@pytest.mark.parametrize("where", ["propose", "verify"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_full_queue_at_the_first_step_is_a_503(tok, where, stream):
+    """Serve's max_queued_requests refusal became an error chunk: a 500, or a 200 stream with an error
+    event, and a logged traceback per refused request. Colocated answers 503, as README says."""
+    backend, _, verifier = _backend(tok, CFG)
+    _failing(backend.drafts if where == "propose" else backend.verifier, where, [_full()])
+    r = _serve(backend, BODY | {"stream": stream}, lambda: verifier.ends)
+    assert r.status_code == 503 and "capacity" in r.json()["error"]["message"], r.text
+    assert [finish for _, finish, _ in verifier.ends] == ["error"]  # released on both sides, as failed
+
+
+@pytest.mark.parametrize("error", [
+    lambda: ActorDiedError(),  # the Verifier replica died
+    lambda: RayTaskError("Verifier.verify", "Traceback (pid=4242, ip=10.0.0.7)", ValueError("x")).as_instanceof_cause(),
+    lambda: ValueError("raised in the router's own loop"),  # a bug's ValueError, not bad input: never a 400
+])
+def test_a_failed_first_step_is_a_500_before_any_200(tok, error):
+    backend, _, verifier = _backend(tok, CFG)
+    _failing(backend.verifier, "verify", [error()])
+    r = _serve(backend, BODY | {"stream": True}, lambda: verifier.ends)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error", r.text
+    assert "pid=" not in r.text and "router's own loop" not in r.text
+    assert [finish for _, finish, _ in verifier.ends] == ["error"]
+
+
+def test_a_failed_later_step_still_ends_the_stream_with_an_error_event(tok):
+    backend, _, verifier = _backend(tok, CFG)
+    _failing(backend.verifier, "verify", [None, None, ActorDiedError()])
+    r = _serve(backend, BODY | {"stream": True, "max_tokens": 40}, lambda: verifier.ends)
+    events = r.text.strip().split("\n\n")
+    assert r.status_code == 200 and '"error"' in events[-2] and events[-1] == "data: [DONE]"
+    assert [finish for _, finish, _ in verifier.ends] == ["error"]
+
+
+def test_a_router_set_up_failure_is_a_500_without_the_model_paths(tmp_path, monkeypatch):
+    """The Router loads the tokenizer at its first request; a path missing on the Router's node was a
+    400 invalid_request_error quoting the server's model directory (which /health keeps to itself)."""
+    import deployments.disagg as dd
+
+    for role in ("target", "draft"):
+        (tmp_path / "secret" / role).mkdir(parents=True)
+    cfg = AppConfig(target=str(tmp_path / "secret/target"), draft=str(tmp_path / "secret/draft"),
+                    distill={"enabled": False}, topology="disaggregated")
+    shutil.rmtree(tmp_path / "secret")  # the Router's node lacks what the node that built the app had
+    monkeypatch.setattr(dd.serve, "get_replica_context", lambda: SimpleNamespace(app_name="osd"))
+    monkeypatch.setattr(dd.serve, "get_deployment_handle", lambda name, app: None)
+    r = _serve(dd.DisaggBackend(cfg), BODY)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error" and "secret" not in r.text, r.text
+
+
+def test_a_release_refused_by_a_full_queue_is_sent_again(tok):
+    """Releases share the handles, so the load that fills a queue refused them too, and a refused one
+    was only logged: the Verifier counted the sequence running for 10 minutes and kept its rows."""
+    backend, worker, verifier = _backend(tok, CFG)
+    drafts = _failing(backend.drafts, "release", [])
+    targets = _failing(backend.verifier, "release", [_full(), _full()])
+    r = _serve(backend, BODY, lambda: verifier.ends)
+    assert r.status_code == 200
+    assert len(targets) == 3 and len(verifier.ends) == 1  # refused twice, then done
+    assert len(drafts) == 1  # the side that was not refused is not sent again
+    assert not worker.caches.tokens and not verifier.caches.tokens
+
+
+def test_a_verify_that_its_release_overtook_leaves_no_target_row(monkeypatch):
+    """release is not batched: for a client gone away it reaches the torch thread ahead of a verify
+    still in the @serve.batch queue, which then rebuilt the whole row, held until it idled out (120 s)."""
+    import deployments.disagg as dd
+    from osd_serve.disagg import Sampling, VerifyItem
+    from tests.conftest import llama
+
+    monkeypatch.setattr(dd, "_load", lambda cfg, role: (llama(50, hidden=16, layers=1), 50, 256))
+    monkeypatch.setattr(dd.serve, "get_replica_context", lambda: SimpleNamespace(replica_id=SimpleNamespace(unique_id="r1")))
+    v = dd.Verifier.func_or_class(AppConfig(distill={"enabled": False}, wandb={"mode": "disabled"}).model_dump())
+    verify = type(v).verify.__wrapped__  # the batch body Serve calls
+    history = list(range(3, 40))
+
+    async def run():
+        [out] = await verify(v, [VerifyItem("seq-1", history, [4, 5], None, Sampling(), "default", 5)])
+        await v.release("seq-1", "default", 0.1)  # overtakes step 2's verify, still queued
+        await verify(v, [VerifyItem("seq-1", history + out.tokens, [6], None, Sampling(), "default", 5)])
+        await verify(v, [VerifyItem("seq-2", [7, 8, 9], [4], None, Sampling(), "default", 2)])
+
+    asyncio.run(run())
+    assert "seq-1" not in v.core.caches.tokens and "seq-1" not in v.core.caches._rows
+    assert "seq-2" in v.core.caches.tokens  # a sequence not released keeps its row
