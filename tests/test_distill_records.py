@@ -99,7 +99,7 @@ def test_a_record_larger_than_the_shard_is_refused_and_evicts_nothing(eviction):
     held = [_rec() for _ in range(3)]
     for r in held:
         assert buf.add(r)
-    assert not buf.add(_rec(40))
+    assert not buf.add(_rec(200))  # 20 kB of distributions, over the 3 records' bound
     shard = buf.shard("default")
     assert list(shard.records) == held and buf.nbytes == 3 * size and shard.new_since_update == 3 and buf.due() == {}
 

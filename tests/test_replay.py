@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-from osd_serve.distill.replay import BufferConfig, ReplayBuffer, make_record
+from osd_serve.distill.replay import RECORD_OVERHEAD, BufferConfig, ReplayBuffer, make_record
 
 
 def _rec(i: int, expert: str = "default", n: int = 2, vocab: int = 50, topk: int = 0):
@@ -17,7 +19,8 @@ def _rec(i: int, expert: str = "default", n: int = 2, vocab: int = 50, topk: int
 
 def test_bytes_per_record_and_topk_round_trip():
     full, top = _rec(0), _rec(0, topk=8)
-    assert full.nbytes == 3 * 4 + 4 * 4 + 2 * 8 + 2 * 50 * 2
+    # the tensors' data, and each record's fixed cost as objects (counted: short top-k records are mostly that)
+    assert full.nbytes == RECORD_OVERHEAD + 3 * 4 + 4 * 4 + 2 * 8 + 2 * 50 * 2
     assert top.nbytes < full.nbytes
     dense = top.dense_probs(50)
     assert dense.shape == (2, 50) and torch.allclose(dense.sum(-1), torch.ones(2), atol=2e-3)
@@ -89,3 +92,31 @@ def test_reconfigure_applies_new_bounds_and_triggers():
     assert buf.due() == {"default": "size"}
     buf.add(_rec(8))
     assert buf.nbytes == 5 * size  # the new bound holds for later records too
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith("VmRSS")).split()[1]) / 1024
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the RSS from /proc")
+def test_a_full_shard_of_small_records_stays_near_its_byte_bound_in_memory():
+    """Top-k records of short requests hold a few hundred bytes of data each but ~3 KB as objects (six
+    small tensors and the dataclass). With data alone counted, a shard at an 8 MiB bound took ~100 MiB."""
+    import gc
+
+    from osd_serve.distill.replay import compress
+
+    bound = 8 << 20
+    buf = ReplayBuffer(BufferConfig(max_bytes=bound, trigger_records=10**9))
+    p = torch.softmax(torch.randn(4, 1000), -1)
+    gc.collect()
+    before = _rss_mib()
+    for i in range(200_000):
+        n = 1 + i % 4
+        parts = tuple(t.clone() for t in compress(p[:n], 8))  # each its own tensors, as the recorder's
+        buf.add(make_record(list(range(20)), list(range(16)), list(range(n)), parts, topk=8))
+        if buf.shard("default").seen > len(buf.shard("default").records) + 1000:
+            break  # full: a thousand records evicted
+    gc.collect()
+    assert _rss_mib() - before < 3 * bound / 2**20, (_rss_mib() - before, len(buf.shard("default").records))

@@ -16,6 +16,13 @@ from dataclasses import dataclass, field
 import torch
 
 
+# What a kept record costs beyond its tensors' data, counted against the byte bound: its up to six
+# small CPU tensors (~0.5 KB each with their allocations) and the dataclass, ~3 KB measured. A top-k
+# record of a short request holds a few hundred bytes of data, so with data alone counted a shard at
+# its bound held ~13x buffer_mb of real memory.
+RECORD_OVERHEAD = 3 << 10
+
+
 @dataclass
 class ReplayRecord:
     prompt_ids: torch.Tensor  # [P] int32
@@ -35,7 +42,7 @@ class ReplayRecord:
     @property
     def nbytes(self) -> int:
         ts = [self.prompt_ids, self.response_ids, self.positions, self.probs, self.topk_ids, self.rest_mass]
-        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+        return RECORD_OVERHEAD + sum(t.numel() * t.element_size() for t in ts if t is not None)
 
     def dense_probs(self, vocab: int) -> torch.Tensor:
         """The kept distributions as [n, V'] float32; top-k spreads the rest mass uniformly on the others.
