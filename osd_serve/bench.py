@@ -58,13 +58,22 @@ NEAR_TIE = {torch.float32: 1e-4, torch.bfloat16: 0.1, torch.float16: 0.02}
 
 
 @torch.inference_mode()
-def first_divergence_gap(model, prompt: list[int], ref: list[int], got: list[int]) -> float:
-    """The target's top-2 logit gap, at batch 1, at the first position where ``got`` leaves ``ref``.
-    A gap under NEAR_TIE means the two decodings split at a numerical tie, not at a wrong token."""
+def _split(model, prompt: list[int], ref: list[int], got: list[int]) -> tuple[float, float]:
+    """(gap, tie) at the first position where ``got`` leaves ``ref``, on the target's logits at batch 1:
+    gap, how far the lower of the two tokens that split lies below the top logit; tie, the gap under
+    which that is a numerical near-tie (NEAR_TIE, or two steps of the dtype at that logit if larger:
+    a bfloat16 step is 0.125 at 16-32, 0.25 at 32-64)."""
     j = next(i for i, (a, b) in enumerate(zip(ref, got)) if a != b)
     logits = model(torch.tensor([prompt + ref[:j]], device=model.device)).logits[0, -1].float()  # [V]
-    top = logits.topk(2).values
-    return float(top[0] - top[1])
+    top = logits.max()
+    gap = float(top - torch.minimum(logits[ref[j]], logits[got[j]]))
+    return gap, max(NEAR_TIE.get(model.dtype, 1e-4), 2 * torch.finfo(model.dtype).eps * float(top.abs()))
+
+
+def first_divergence_gap(model, prompt: list[int], ref: list[int], got: list[int]) -> float:
+    """How far below the target's top logit the lower of the two split tokens is, at batch 1, at the first
+    position where ``got`` leaves ``ref``. Under the tie of _split: the decodings split at a numerical tie."""
+    return _split(model, prompt, ref, got)[0]
 
 
 def mismatches(model, prompts: list[list[int]], outs: list[list[int]], refs: list[list[int]]) -> dict:
@@ -72,17 +81,16 @@ def mismatches(model, prompts: list[list[int]], outs: list[list[int]], refs: lis
     the largest gap at a split (a split at a large gap would be a lossless bug); ``length_only``: ones
     that agree wherever both have tokens but stop elsewhere (both keep EOS, so an EOS near-tie is a split:
     this is a row ended by an error, or a max_tokens cut)."""
-    tie = NEAR_TIE.get(model.dtype, 1e-4)
     gaps, length_only = [], 0
     for p, o, r in zip(prompts, outs, refs):
         if o == r:
             continue
         if any(a != b for a, b in zip(o, r)):
-            gaps.append(first_divergence_gap(model, p, r, o))
+            gaps.append(_split(model, p, r, o))
         else:
             length_only += 1
-    return {"differ": len(gaps) + length_only, "near_ties": sum(g < tie for g in gaps), "max_gap": max(gaps, default=None),
-            "length_only": length_only}
+    return {"differ": len(gaps) + length_only, "near_ties": sum(g < tie for g, tie in gaps),
+            "max_gap": max((g for g, _ in gaps), default=None), "length_only": length_only}
 
 
 @torch.inference_mode()

@@ -154,3 +154,33 @@ def test_the_outputs_column_names_a_split_that_is_not_a_near_tie():
     bad = _outputs(14, 16, {"differ": 2, "near_ties": 1, "max_gap": 4.2, "length_only": 0})
     assert bad == "14/16 (**1 split not at a near-tie, gap up to 4.2: not lossless**; 1 near-tie)"
     assert _outputs(15, 16, {"differ": 1, "near_ties": 0, "max_gap": None, "length_only": 1}) == "15/16 (1 length only)"
+
+
+class _Logits:
+    """A target whose next-token logits are fixed, in the dtype it claims (what bench.mismatches reads)."""
+
+    def __init__(self, logits: list[float], dtype=torch.bfloat16):
+        self.dtype, self.device = dtype, "cpu"
+        self.logits = torch.tensor(logits, dtype=dtype).float()
+
+    def __call__(self, ids):
+        return SimpleNamespace(logits=self.logits.expand(1, ids.shape[1], -1))
+
+
+def test_a_split_one_bfloat16_step_apart_at_a_large_logit_is_a_near_tie():
+    """A bfloat16 step is 0.125 between 16 and 32: a fixed 0.1 called a flip between two tokens one step
+    apart there a split 'not at a near-tie: not lossless', for any pair with logits that large."""
+    top, runner_up = 30.0, 29.875  # one bfloat16 step apart
+    model = _Logits([top, runner_up, 1.0, 0.0])
+    got = bench.mismatches(model, [[2]], [[1, 3]], [[0, 3]])
+    assert got["near_ties"] == 1 and got["max_gap"] == 0.125
+
+
+def test_a_split_to_a_low_ranked_token_is_not_a_near_tie_where_the_top_two_are_close():
+    """The gap is the split tokens', not the top two's: an output that left the target for its lowest-
+    ranked token, where the top two happened to be 0.03 apart, was counted as a numerical tie."""
+    model = _Logits([5.0, 4.97, 2.0, -4.0])
+    got = bench.mismatches(model, [[2]], [[3]], [[0]])
+    assert got["near_ties"] == 0 and got["max_gap"] == pytest.approx(9.0)
+    got = bench.mismatches(model, [[2]], [[1]], [[0]])  # the runner-up: a tie
+    assert got["near_ties"] == 1 and got["max_gap"] == pytest.approx(0.03, abs=0.02)
