@@ -52,8 +52,9 @@ def acceptance_model_ratios(measured: float, k: int, c: float, alpha: float, v: 
     }
 
 
-# Top-2 logit gap under which the target's own argmax may flip between batch shapes: float32 sums
-# reorder at ~1e-6 relative; bfloat16 resolves logits of size ~10 to ~0.06.
+# Logit gap (below the top one) under which the target's own argmax may flip between batch shapes:
+# float32 sums reorder at ~1e-6 relative; bfloat16 resolves logits of size ~10 to ~0.06 (larger
+# logits: _split's two steps of the dtype).
 NEAR_TIE = {torch.float32: 1e-4, torch.bfloat16: 0.1, torch.float16: 0.02}
 
 
