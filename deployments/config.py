@@ -249,6 +249,8 @@ def check_gpu_reservation(cfg: AppConfig, deployment: str) -> None:
         from ray.serve import get_replica_context
 
         get_replica_context()  # raises outside a replica (scripts, tests): no reservation to check
+        if not ray.is_initialized():  # a test's stand-in context: get_gpu_ids would start a local cluster
+            return
         reserved = ray.get_gpu_ids()
     except Exception:  # noqa: BLE001  RayServeException outside a replica, ImportError without Ray
         return

@@ -21,7 +21,11 @@ from tests.test_distill import _prompts, _records  # noqa: E402
 
 @pytest.fixture(scope="module")
 def cluster():
-    # Two logical GPUs: Ray schedules by them, nothing touches CUDA, so this runs on any CPU box.
+    # Two logical GPUs: Ray schedules by them, nothing touches CUDA, so this runs on any CPU box. A
+    # cluster some earlier test started (a Ray call auto-initialises one) has none: named here, where
+    # it showed as a missing "GPU" key and then a fixture waiting for GPUs until CI's time ran out.
+    if ray.is_initialized():
+        pytest.fail("an earlier test left Ray initialised (without this module's logical GPUs)")
     ray.init(num_cpus=2, num_gpus=2, namespace=NAMESPACE, include_dashboard=False, ignore_reinit_error=True)
     yield
     ray.shutdown()
@@ -39,28 +43,39 @@ class _Serving:
 def gpus_busy(cluster):
     """Serving holds both logical GPUs (so a Train job must not ask for one: nothing here has CUDA)."""
     holders = [_Serving.remote() for _ in range(2)]
-    ray.get([h.ready.remote() for h in holders])
+    ray.get([h.ready.remote() for h in holders], timeout=120)  # GPUs some actor still holds: fail, not hang
     yield
     for h in holders:
         ray.kill(h)
 
 
+def _idle_once(gpus: float) -> list[dict]:
+    """idle_per_node() once it shows ``gpus`` idle GPUs: the GCS updates its resource view a moment after
+    an actor takes or frees one (on a loaded machine, after the ready() call has returned)."""
+    deadline = time.time() + 30
+    while (avail := idle_per_node()) and avail[0].get("GPU", 0) != gpus and time.time() < deadline:
+        time.sleep(0.1)
+    return avail
+
+
 def test_capacity_decision_uses_idle_gpus_and_spares_busy_cpus(cluster):
-    avail = idle_per_node()
+    avail = _idle_once(2)
     assert [n["GPU"] for n in avail] == [2]
     assert plan_workers(avail, serve_load=0.9) == {"num_workers": 2, "use_gpu": True}
     assert plan_workers(avail, serve_load=0.1, max_workers=1) == {"num_workers": 1, "use_gpu": True}
-    one = _Serving.remote()
-    ray.get(one.ready.remote())
-    assert plan_workers(idle_per_node(), serve_load=0.9) == {"num_workers": 1, "use_gpu": True}
-    two = _Serving.remote()
-    ray.get(two.ready.remote())
-    avail = idle_per_node()
-    assert avail[0].get("GPU", 0) == 0
-    assert plan_workers(avail, serve_load=0.9) is None  # no GPU left and the CPUs are busy serving: wait
-    assert plan_workers(avail, serve_load=0.2) == {"num_workers": 4, "use_gpu": False, "cpus_per_worker": 0.5}  # 2 CPUs / 0.5
-    ray.kill(one)
-    ray.kill(two)
+    holders = [_Serving.remote()]
+    try:  # killed whatever fails: left holding the GPUs, they left gpus_busy waiting for one until the timeout
+        ray.get(holders[0].ready.remote())
+        assert plan_workers(_idle_once(1), serve_load=0.9) == {"num_workers": 1, "use_gpu": True}
+        holders.append(_Serving.remote())
+        ray.get(holders[1].ready.remote())
+        avail = _idle_once(0)
+        assert avail[0].get("GPU", 0) == 0
+        assert plan_workers(avail, serve_load=0.9) is None  # no GPU left and the CPUs are busy serving: wait
+        assert plan_workers(avail, serve_load=0.2) == {"num_workers": 4, "use_gpu": False, "cpus_per_worker": 0.5}  # 2 CPUs / 0.5
+    finally:
+        for h in holders:
+            ray.kill(h)
 
 
 def test_capacity_is_counted_per_node():

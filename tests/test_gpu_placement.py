@@ -20,6 +20,7 @@ from deployments.config import AppConfig, check_gpu_reservation  # noqa: E402
 def _in_replica(monkeypatch, reserved: list) -> None:
     monkeypatch.setattr(ray.serve, "get_replica_context", lambda: SimpleNamespace(app_name="osd"))
     monkeypatch.setattr(ray, "get_gpu_ids", lambda: reserved)
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
 
 
 def _warnings(caplog, device: str, deployment: str = "SpecServer") -> list[str]:
@@ -52,6 +53,15 @@ def test_no_warning_with_a_reservation_on_cpu_or_outside_a_replica(monkeypatch, 
     assert _warnings(caplog, "cpu") == []
     monkeypatch.undo()  # the real get_replica_context raises outside a replica: a script or a test
     assert _warnings(caplog, "cuda") == []
+
+
+def test_a_stand_in_replica_context_never_starts_ray(monkeypatch, caplog):
+    """Tests stand a replica context in for Serve's; asking Ray for the replica's GPUs there started a
+    local Ray cluster (ray.get_gpu_ids initialises one), which a later ray.init with logical GPUs joined."""
+    monkeypatch.setattr(ray.serve, "get_replica_context", lambda: SimpleNamespace(app_name="osd"))
+    assert not ray.is_initialized()
+    assert _warnings(caplog, "cuda") == []
+    assert not ray.is_initialized()
 
 
 def test_every_deployment_checks_before_loading(monkeypatch):
