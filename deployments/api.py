@@ -50,6 +50,14 @@ def engine_failed(e: BaseException | None = None) -> RequestError:
     return RequestError("the engine failed while generating this request; it was ended, retry it", None, 500)
 
 
+def backend_failed(e: BaseException) -> RequestError:
+    """A failed call to the backend, before or after the first token: a full queue (Serve's
+    max_queued_requests, on any step of a disaggregated request) is a 503 and nothing to log; else engine_failed."""
+    if isinstance(e, BackPressureError):
+        return RequestError("the server is at capacity (its request queue is full); retry shortly", None, 503)
+    return engine_failed(e)
+
+
 def admin_error(e: Exception, param: str | None) -> RequestError:
     """An admin action the backend refused: a version that is not kept (KeyError) is a 404, a state
     that does not allow it (no older version, distillation off) a 409, and an action that failed (an
@@ -227,9 +235,7 @@ def make_app(backend, cfg: AppConfig) -> FastAPI:
                 err = RequestError(str(err).replace("max_tokens", alias), alias if err.param == "max_tokens" else err.param)
             raise err from None
         except Exception as e:  # noqa: BLE001  the backend call failed (its replica died): OpenAI's 500, not a bare one
-            if isinstance(e, BackPressureError):  # Serve's max_queued_requests: full, not failed
-                raise RequestError("the server is at capacity (its request queue is full); retry shortly", None, 503) from None
-            raise engine_failed(e) from None
+            raise backend_failed(e) from None
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         model, created = cfg.served_model_name, int(time.time())  # one timestamp for all of a stream's chunks
 
@@ -253,7 +259,7 @@ def make_app(backend, cfg: AppConfig) -> FastAPI:
                                                  n == 0, include_usage))
                             n += 1
                 except Exception as e:  # noqa: BLE001  a replica died mid-stream: the stream was cut with no end
-                    failed = engine_failed(e)
+                    failed = backend_failed(e)
                 if failed is not None:
                     yield sse(failed.body())
                 elif include_usage:
@@ -269,7 +275,7 @@ def make_app(backend, cfg: AppConfig) -> FastAPI:
                 n_tok += len(d["token_ids"])
                 finish = d["finish_reason"]
         except Exception as e:  # noqa: BLE001  as above, for a whole completion
-            raise engine_failed(e) from None
+            raise backend_failed(e) from None
         if finish == "error":
             raise engine_failed()
         return JSONResponse(completion_body(rid, model, text, finish, usage(n_tok), chat, created), headers={"x-osd-expert": expert})

@@ -343,13 +343,17 @@ class DisaggBackend:
     def experts(self) -> list[str]:
         return [e.name for e in self.cfg.experts]
 
-    async def ready(self) -> str | None:
+    async def _ensure_ready_as_server(self) -> None:
+        """_ensure_ready, its failure as the server's: /health needs no key, and a completion's 400 would
+        blame the client, while a load's message names model paths and hosts. The log keeps it."""
         try:
-            await self._ensure_ready()  # /health sets up too: a load balancer sends nothing before it reads ready
+            await self._ensure_ready()
         except Exception as e:  # noqa: BLE001
-            # /health needs no key: a load's message names model paths and hosts. The log keeps it.
             logging.getLogger(__name__).warning("router set-up failed: %r", e)
             raise RuntimeError(f"the router's set-up failed ({type(e).__name__}); its log says why") from None
+
+    async def ready(self) -> str | None:
+        await self._ensure_ready_as_server()  # /health sets up too: a load balancer sends nothing before it reads ready
         if self._readiness is None:  # made in the replica: a thread pool does not pickle
             self._readiness = Readiness(["DraftPool", "Verifier"])
         return await self._readiness.check()
@@ -359,11 +363,7 @@ class DisaggBackend:
 
         if params.auto_k:  # before any setup: a 400 naming the field, as AppConfig refuses it for the server
             raise ValueError("num_speculative_tokens: 'auto' needs the colocated topology; give an integer")
-        try:
-            await self._ensure_ready()
-        except Exception as e:  # noqa: BLE001  the server's failure, not the client's: no 400 quoting model paths
-            logging.getLogger(__name__).warning("router set-up failed: %r", e)
-            raise RuntimeError(f"the router's set-up failed ({type(e).__name__}); its log says why") from None
+        await self._ensure_ready_as_server()
         t0 = time.perf_counter()
         # in a thread: a long prompt takes seconds to encode, which would stall this router's event loop
         text, ids = await asyncio.to_thread(prepare_prompt, self.tokenizer, self.vocab, self.max_len, prompt, params)
@@ -372,21 +372,18 @@ class DisaggBackend:
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         drafts = self.drafts.options(multiplexed_model_id=expert)
         verifier = self.verifier.options(session_id=req.request_id)
-        sent = False
         try:
             try:
                 async for d in run_request(req, seed, self.tokenizer, self.eos, drafts.propose.remote, verifier.verify.remote):
-                    sent = True
                     yield {"text": d.text, "token_ids": d.token_ids, "finished": d.finished, "finish_reason": d.finish_reason,
                            "prompt_tokens": len(ids)}
-            except Exception as e:  # noqa: BLE001  a failed call (a replica died, a batch raised): the API's error, as colocated
+            except Exception as e:  # noqa: BLE001  a failed call (a replica died, a full queue): raised to the API
+                # which answers as colocated: before the first token a 503 for a full queue, else a 500 (logged
+                # there); after it, the stream's error event, or the whole completion's 503 or 500
                 req.finish_reason = "error"  # as released: not "abort", which is a client gone away
-                if not sent:  # no answer started: the API's status, as colocated (a full queue's 503, else 500)
-                    if isinstance(e, ValueError) and not isinstance(getattr(e, "cause", None), BaseException):
-                        raise RuntimeError(f"the request loop failed: {type(e).__name__}") from e  # never a 400
-                    raise
-                logging.getLogger(__name__).error("request %s failed: %r", req.request_id, e, exc_info=e)
-                yield {"text": "", "token_ids": [], "finished": True, "finish_reason": "error", "prompt_tokens": len(ids)}
+                if isinstance(e, ValueError) and not isinstance(getattr(e, "cause", None), BaseException):
+                    raise RuntimeError(f"the request loop failed: {type(e).__name__}") from e  # never the client's 400
+                raise
         finally:  # finished, failed or the client went away: free the sequence on both sides, without waiting
             record = {"prompt_ids": req.prompt_ids, "output_ids": req.output_ids} if self.cfg.distill.enabled else {}
             release = self._release(drafts, verifier, req.request_id, expert, time.perf_counter() - t0,
@@ -414,7 +411,7 @@ class DisaggBackend:
             for where, r in zip(calls, results):
                 if isinstance(r, BaseException) and (where not in full or attempt == RELEASE_TRIES - 1):
                     logging.getLogger(__name__).warning("releasing %s on the %s failed: %r", seq_id, where, r)
-            if not full:
+            if not full or attempt == RELEASE_TRIES - 1:
                 return
             calls = full
             await asyncio.sleep(0.05 * 2 ** attempt)

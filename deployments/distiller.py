@@ -47,8 +47,7 @@ class RecordRef:
     created: float = field(default_factory=time.monotonic)
 
 
-@ray.remote(num_cpus=0)
-class ReplayBufferActor:
+class _ReplayBufferActor:
     """pair: [target, draft] of the application's config. Records hold the pair's token ids and target
     distributions, which would train another pair's draft to fit a model it does not serve with."""
 
@@ -104,6 +103,11 @@ class ReplayBufferActor:
 
     def stats(self) -> dict:
         return {e: {"records": len(s.records), "bytes": s.nbytes, "seen": s.seen} for e, s in self.buffer.shards.items()}
+
+
+# Not decorated in place: importable by their own names, the classes are pickled by reference. By value
+# (the name held the actor class), unpickling rewrote the class's methods here, with their own globals.
+ReplayBufferActor = ray.remote(num_cpus=0)(_ReplayBufferActor)
 
 
 def plan_workers(nodes: list[dict], serve_load: float, max_workers: int = 4, busy_load: float = 0.75,
@@ -172,6 +176,13 @@ def train_loop_per_worker(config: dict) -> None:
         ray.train.report(metrics)
 
 
+def _fail_fast(failure_config):
+    try:
+        return failure_config(controller_failure_limit=0)
+    except TypeError:  # Ray Train v1 (RAY_TRAIN_V2_ENABLED=0) has no such limit, and does not retry by default
+        return failure_config()
+
+
 def run_train_job(plan: dict, record_refs: list, draft_path: str, state_path: str, train_cfg: dict, steps: int,
                   storage: str) -> tuple[dict, dict]:
     """One Ray Train TorchTrainer run; returns the trained serving state (names of the draft) and rank
@@ -190,7 +201,7 @@ def run_train_job(plan: dict, record_refs: list, draft_path: str, state_path: st
         # (the planned idle capacity taken by serving meanwhile) forever, and fit() never returned. Failed
         # here, the job is re-planned after the controller's back-off.
         run_config=RunConfig(storage_path=storage, name=(name := f"distill-{time.time_ns()}"),
-                             failure_config=FailureConfig(controller_failure_limit=0)),
+                             failure_config=_fail_fast(FailureConfig)),
     )
     try:
         result = trainer.fit()
@@ -200,8 +211,7 @@ def run_train_job(plan: dict, record_refs: list, draft_path: str, state_path: st
         shutil.rmtree(Path(storage) / name, ignore_errors=True)
 
 
-@ray.remote(num_cpus=0)
-class DistillController:
+class _DistillController:
     """Watches the buffer's triggers and the spare capacity; trains, guards and publishes."""
 
     HEARTBEAT_TTL_S = 30.0  # a replica silent this long is gone (scaled down, dead): its load no longer counts
@@ -292,8 +302,12 @@ class DistillController:
     def _loop(self, poll_s: float) -> None:
         backoff = self.backoff
         while not self._stop.is_set():
+            settings = self.settings  # one deploy's: configure() may replace it from another thread
             try:
-                due = ray.get(self.buffer.due.remote(self.settings["buffer_cfg"], self.settings["pair"]))
+                try:
+                    due = ray.get(self.buffer.due.remote(settings["buffer_cfg"], settings["pair"]))
+                except TypeError:  # a buffer made by an older osd-serve (detached, it outlives an upgrade)
+                    due = ray.get(self.buffer.due.remote())
             except Exception as e:  # noqa: BLE001  the buffer restarting: asked again next poll
                 self.events.append({"error": repr(e), "time": time.time()})
                 logger.warning("distill controller: %r", e)
@@ -383,6 +397,9 @@ class DistillController:
 SETTINGS_FILE = "controller.json"
 
 
+DistillController = ray.remote(num_cpus=0)(_DistillController)
+
+
 def _json_safe(obj):
     """obj with every non-finite float as None (JSON has no NaN: the route's encoder answered 500)."""
     if isinstance(obj, float):
@@ -445,7 +462,13 @@ def connect(cfg, app: str | None = None) -> tuple:
     args = (model_paths(cfg)[1], str(versions), train, d.steps_per_update, d.max_train_workers)
     extra = {"keep_versions": d.keep_versions, "buffer_cfg": buffer_cfg, "pair": pair}
     controller = DistillController.options(name=controller_name, **opts).remote(*args, buffer_name=buffer_name, **extra)
-    ray.get([buffer.configure.remote(buffer_cfg, pair), controller.configure.remote(*args, **extra)])
+    ray.get(buffer.configure.remote(buffer_cfg, pair))
+    try:
+        ray.get(controller.configure.remote(*args, **extra))
+    except TypeError:  # made by an older osd-serve (detached, it outlives an upgrade): no buffer settings
+        logger.warning("%s was made by an older osd-serve: a restarted replay buffer gets its settings only from "
+                       "the next replica start; `ray kill` it (namespace %s) to replace it", controller_name, NAMESPACE)
+        ray.get(controller.configure.remote(*args, keep_versions=d.keep_versions))
     return buffer, controller
 
 

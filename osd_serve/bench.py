@@ -68,7 +68,9 @@ def _split(model, prompt: list[int], ref: list[int], got: list[int]) -> tuple[fl
     logits = model(torch.tensor([prompt + ref[:j]], device=model.device)).logits[0, -1].float()  # [V]
     top = logits.max()
     gap = float(top - torch.minimum(logits[ref[j]], logits[got[j]]))
-    return gap, max(NEAR_TIE.get(model.dtype, 1e-4), 2 * torch.finfo(model.dtype).eps * float(top.abs()))
+    t = top.abs().to(model.dtype)
+    step = float(torch.nextafter(t, t.new_tensor(float("inf"))) - t)  # the dtype's step at the top logit
+    return gap, max(NEAR_TIE.get(model.dtype, 1e-4), 2 * step)
 
 
 def first_divergence_gap(model, prompt: list[int], ref: list[int], got: list[int]) -> float:

@@ -175,7 +175,10 @@ def test_auto_learns_from_the_engine_steps(pair, tok):
     eng.generate(_prompts(target.config.vocab_size, n=8, seed=5), SamplingParams(max_tokens=12, num_speculative_tokens="auto"),
                  stats=stats)
     assert set(eng.policy.costs) <= {1, 2, 4} and 4 in eng.policy.costs  # 3 rows: between 2 and 4
-    assert {s.batch_size for s in stats} >= {3, 4}
+    # Rows leave as requests finish; which sizes a run meets depends on the k chosen, so on timing (a
+    # loaded CI machine met {2, 4} once, not 3): a full batch, a smaller one, each within the calibration.
+    sizes = {s.batch_size for s in stats}
+    assert 4 in sizes and min(sizes) < 4 and all(any(c >= b for c in eng.policy.costs) for b in sizes)
     assert all(len(c.target) == 5 for c in eng.policy.costs.values())
     assert all(1 <= s.auto_k <= 4 for s in stats)
     tested = sum(s.accepted + s.rejected for s in stats)

@@ -174,6 +174,9 @@ def test_a_split_one_bfloat16_step_apart_at_a_large_logit_is_a_near_tie():
     model = _Logits([top, runner_up, 1.0, 0.0])
     got = bench.mismatches(model, [[2]], [[1, 3]], [[0, 3]])
     assert got["near_ties"] == 1 and got["max_gap"] == 0.125
+    model = _Logits([top, top - 3 * 0.125, 1.0, 0.0])  # three steps apart: a real preference, not a tie
+    got = bench.mismatches(model, [[2]], [[1, 3]], [[0, 3]])
+    assert got["near_ties"] == 0 and got["max_gap"] == 0.375
 
 
 def test_a_split_to_a_low_ranked_token_is_not_a_near_tie_where_the_top_two_are_close():

@@ -93,6 +93,24 @@ def test_a_failed_later_step_still_ends_the_stream_with_an_error_event(tok):
     assert [finish for _, finish, _ in verifier.ends] == ["error"]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_full_queue_at_a_later_step_is_a_503_and_logs_no_traceback(tok, caplog, stream):
+    """Each step of a disaggregated request is a call that a full queue can refuse. Past the first token
+    a whole completion answered 500 and logged a traceback per refused request; a stream ends with the
+    503's error event."""
+    backend, _, verifier = _backend(tok, CFG)
+    _failing(backend.verifier, "verify", [None, _full()])
+    with caplog.at_level("ERROR"):
+        r = _serve(backend, BODY | {"stream": stream, "max_tokens": 40}, lambda: verifier.ends)
+    if stream:
+        events = r.text.strip().split("\n\n")
+        assert r.status_code == 200 and "capacity" in events[-2] and events[-1] == "data: [DONE]"
+    else:
+        assert r.status_code == 503 and "capacity" in r.json()["error"]["message"], r.text
+    assert not [rec for rec in caplog.records if rec.levelname == "ERROR"]
+    assert [finish for _, finish, _ in verifier.ends] == ["error"]
+
+
 def test_a_router_set_up_failure_is_a_500_without_the_model_paths(tmp_path, monkeypatch):
     """The Router loads the tokenizer at its first request; a path missing on the Router's node was a
     400 invalid_request_error quoting the server's model directory (which /health keeps to itself)."""
@@ -120,6 +138,19 @@ def test_a_release_refused_by_a_full_queue_is_sent_again(tok):
     assert len(targets) == 3 and len(verifier.ends) == 1  # refused twice, then done
     assert len(drafts) == 1  # the side that was not refused is not sent again
     assert not worker.caches.tokens and not verifier.caches.tokens
+
+
+def test_a_release_refused_every_time_gives_up_after_its_last_try(tok, monkeypatch):
+    import deployments.disagg as dd
+
+    backend, _, verifier = _backend(tok, CFG)
+    targets = _failing(backend.verifier, "release", [_full()] * dd.RELEASE_TRIES)
+    sleeps, sleep = [], asyncio.sleep
+    monkeypatch.setattr(dd.asyncio, "sleep", lambda s: (sleeps.append(s), sleep(0))[1])
+    assert _serve(backend, BODY, lambda: len(targets) == dd.RELEASE_TRIES).status_code == 200
+    assert len(targets) == dd.RELEASE_TRIES and not verifier.ends
+    retry_sleeps = [t for t in sleeps if t != 0.01]  # _serve's own polling sleeps 0.01
+    assert retry_sleeps == [0.05 * 2 ** i for i in range(dd.RELEASE_TRIES - 1)]  # none after the last try
 
 
 def test_a_verify_that_its_release_overtook_leaves_no_target_row(monkeypatch):

@@ -36,7 +36,7 @@ def test_plan_workers_edges():
 # ---- distiller.py: the buffer actor and the controller, their remote calls made plain ------------------
 
 def _cls(actor):
-    return actor.__ray_metadata__.modified_class  # the class behind @ray.remote
+    return actor.__ray_metadata__.modified_class.__ray_actor_class__  # the class behind ray.remote
 
 
 def _actor(obj):

@@ -43,10 +43,12 @@ class _Serving:
 def gpus_busy(cluster):
     """Serving holds both logical GPUs (so a Train job must not ask for one: nothing here has CUDA)."""
     holders = [_Serving.remote() for _ in range(2)]
-    ray.get([h.ready.remote() for h in holders], timeout=120)  # GPUs some actor still holds: fail, not hang
-    yield
-    for h in holders:
-        ray.kill(h)
+    try:
+        ray.get([h.ready.remote() for h in holders], timeout=120)  # GPUs some actor still holds: fail, not hang
+        yield
+    finally:  # also after a timeout: left pending, they took the GPUs later in the module
+        for h in holders:
+            ray.kill(h)
 
 
 def _idle_once(gpus: float) -> list[dict]:

@@ -93,3 +93,39 @@ def test_a_restarted_buffer_gets_the_current_config_at_the_controllers_next_poll
     assert not plain_ray.add("default", _rec(), 100, ["old", "pair"])  # its pair is known again
     plain_ray.due({**CURRENT, "max_bytes": 1000}, ["t", "d"])  # configured already: a poll changes nothing
     assert plain_ray.buffer.cfg.max_bytes == 300
+
+
+def test_actors_made_by_an_older_osd_serve_still_connect_and_poll(plain_ray, monkeypatch, tmp_path, draft_dir):
+    """The actors are detached: an upgrade meets the old ones. A controller that takes no buffer
+    settings failed every replica's start with a TypeError; a buffer whose due() takes none failed
+    every poll of a new controller, which then never trained."""
+    from deployments.config import parse_config
+
+    controller_cls, configured = _cls(dist.DistillController), []
+
+    def old_configure(draft_path, versions_dir, train_cfg, steps, max_workers=4, heldout=16, keep_versions=5, save=True):
+        configured.append(keep_versions)
+
+    def handle(**methods):
+        made = types.SimpleNamespace(**{n: types.SimpleNamespace(remote=f) for n, f in methods.items()})
+        return types.SimpleNamespace(options=lambda **opts: types.SimpleNamespace(remote=lambda *a, **kw: made))
+
+    monkeypatch.setattr(dist, "ReplayBufferActor", handle(configure=lambda cfg, pair: None))
+    monkeypatch.setattr(dist, "DistillController", handle(configure=old_configure))
+    cfg = parse_config({"target": "org/target", "draft": "org/draft",
+                        "distill": {"backend": "ray_train", "keep_versions": 3, "versions_dir": str(tmp_path)}})
+    dist.connect(cfg, app="osd")
+    assert configured == [3]  # configured as it can be, with a warning to `ray kill` it
+
+    ctrl = controller_cls(draft_dir, str(tmp_path), {"mode": "full"}, 3, poll_s=3600, buffer_cfg=CURRENT, pair=["t", "d"])
+    due = plain_ray.due
+    plain_ray.due = lambda: due()  # an older buffer: due() takes nothing
+    ctrl.buffer = types.SimpleNamespace(due=types.SimpleNamespace(remote=plain_ray.due))
+    for _ in range(4):
+        plain_ray.add("default", _rec(), 100)
+    trained = []
+    ctrl._update = lambda expert, why, plan: trained.append(expert) or {"expert": expert}
+    monkeypatch.setattr(dist, "idle_per_node", lambda: [{"CPU": 2.0}])
+    ctrl._stop = _polls(1)
+    ctrl._loop(0)
+    assert trained == ["default"]

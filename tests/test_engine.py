@@ -13,7 +13,7 @@ from osd_serve.config import EngineConfig, SamplingParams
 from osd_serve.engine import SpecEngine
 
 MAX_TOKENS = 16
-NEAR_TIE = bench.NEAR_TIE[torch.float32]  # top-2 logit gap under which batch shapes may flip an argmax
+NEAR_TIE = bench.NEAR_TIE[torch.float32]  # a logit gap under which batch shapes may flip an argmax
 
 
 def _prompts(vocab: int, n: int = 50, seed: int = 0) -> list[list[int]]:

@@ -46,7 +46,7 @@ def _verifier(monkeypatch, now: list[float]):
     async def run(fn, *args):
         return fn(*args)
 
-    v._run, v._forget_idle = run, lambda t: cls._forget_idle(v, t)
+    v._run, v._forget_idle, v._verify = run, lambda t: cls._forget_idle(v, t), lambda items: cls._verify(v, items)
     return v, lambda items: cls.verify.__wrapped__(v, items), events
 
 
