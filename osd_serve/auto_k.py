@@ -206,5 +206,6 @@ class SpeculationPolicy:
             self.draft_scale += e * (draft_seconds / (k * c.draft) - self.draft_scale)
         self.target_scale += e * (target_seconds / c.target_at(k) - self.target_scale)
         self.overhead += e * (max(loop_seconds, 0.0) - self.overhead)
-        keep = 1 - e
-        self._acc, self._tested = keep * self._acc + accepted, keep * self._tested + tested
+        if tested:  # a step that tested no draft (every row at its last token) is no evidence: it forgets nothing
+            keep = 1 - e  # (decayed anyway, a run of max_tokens=1 requests wore the prior away to a subnormal 1.0)
+            self._acc, self._tested = keep * self._acc + accepted, keep * self._tested + tested

@@ -275,3 +275,24 @@ def test_the_loops_own_time_is_learned_and_favours_longer_steps():
     assert p.overhead == pytest.approx(0.5, rel=1e-3)
     assert p.step_seconds(8, 1) == pytest.approx(1 * MS + 20 * MS + 0.5, rel=1e-3)
     assert p.choose(rows(8, 0.77)) > 1
+
+
+def test_steps_that_test_no_draft_leave_the_acceptance_estimate_alone():
+    """A step whose rows all sit at their last token tests no draft (a run of max_tokens=1 auto requests).
+    Decayed anyway, the prior wore away: one accepted draft after 200 such steps read alpha 1.0 and the
+    next row drafted the maximum, and after ~15k steps both counts sat at one subnormal, alpha 1.0 with no data."""
+    ms = 1e-3
+    widths = [10 * ms * (1 + 0.3 * w) for w in range(9)]  # a target forward over w+1 tokens per row
+
+    def policy():
+        return SpeculationPolicy(8, lambda b: Costs(1 * ms, widths))
+
+    new_row = [RowView(True, 100, 0, 0)]
+    fresh = policy()
+    fresh.observe(1, 1, 1 * ms, 13 * ms, 0.0, accepted=1, tested=1)
+    idle = policy()
+    for _ in range(200):
+        idle.observe(1, 0, 0.0, 10 * ms, 0.0, accepted=0, tested=0)
+    idle.observe(1, 1, 1 * ms, 13 * ms, 0.0, accepted=1, tested=1)
+    assert idle.mean_alpha == pytest.approx(fresh.mean_alpha) and fresh.mean_alpha < 0.7
+    assert idle.choose(new_row) == fresh.choose(new_row)
