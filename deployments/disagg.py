@@ -104,6 +104,11 @@ class _Batched:
     async def _run(self, fn, *args):
         return await self._submit(fn, *args)
 
+    def _free_released(self, items, release) -> None:  # the torch thread, after a call that made rows
+        for it in items:
+            if it.seq_id in self.released:
+                release(it.seq_id)
+
     async def check_health(self) -> None:
         # Serve's probe: a torch call hung past stall_timeout_s (the event loop stays free, so Serve's
         # own liveness ping passes) has the replica replaced; its requests' calls then fail, and the
@@ -174,9 +179,7 @@ class DraftPool(_Batched):
         # A release that came while this call waited (for its expert to load, or in the batch queue) found
         # no row to free, and the call has just made one: freed now, before drafting ahead for it. Else
         # it stayed until it idled out (IDLE_ROW_S), a long prompt's cache on the draft's device.
-        for it in items:
-            if it.seq_id in self.released:
-                worker.release(it.seq_id)
+        self._free_released(items, worker.release)
         return out
 
     async def release(self, seq_id: str) -> None:
@@ -248,9 +251,7 @@ class Verifier(_Batched):
         # and the call has just rebuilt it (the whole history): freed now, not after IDLE_ROW_S. Its
         # recorder trace is left alone: this call may have been queued on this thread before the
         # release's own finish(), which makes the replay record from it (a late one goes by LRU).
-        for it in items:
-            if it.seq_id in self.released:
-                self.core.release(it.seq_id)
+        self._free_released(items, self.core.release)
         return out
 
     async def release(self, seq_id: str, expert: str, latency_s: float, *, finish_reason: str | None = None,

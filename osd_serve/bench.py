@@ -54,12 +54,12 @@ def acceptance_model_ratios(measured: float, k: int, c: float, alpha: float, v: 
 
 # Logit gap (below the top one) under which the target's own argmax may flip between batch shapes:
 # float32 sums reorder at ~1e-6 relative; bfloat16 resolves logits of size ~10 to ~0.06 (larger
-# logits: _split's two steps of the dtype).
+# logits: divergence's two steps of the dtype).
 NEAR_TIE = {torch.float32: 1e-4, torch.bfloat16: 0.1, torch.float16: 0.02}
 
 
 @torch.inference_mode()
-def _split(model, prompt: list[int], ref: list[int], got: list[int]) -> tuple[float, float]:
+def divergence(model, prompt: list[int], ref: list[int], got: list[int]) -> tuple[float, float]:
     """(gap, tie) at the first position where ``got`` leaves ``ref``, on the target's logits at batch 1:
     gap, how far the lower of the two tokens that split lies below the top logit; tie, the gap under
     which that is a numerical near-tie (NEAR_TIE, or two steps of the dtype at that logit if larger:
@@ -73,12 +73,6 @@ def _split(model, prompt: list[int], ref: list[int], got: list[int]) -> tuple[fl
     return gap, max(NEAR_TIE.get(model.dtype, 1e-4), 2 * step)
 
 
-def first_divergence_gap(model, prompt: list[int], ref: list[int], got: list[int]) -> float:
-    """How far below the target's top logit the lower of the two split tokens is, at batch 1, at the first
-    position where ``got`` leaves ``ref``. Under the tie of _split: the decodings split at a numerical tie."""
-    return _split(model, prompt, ref, got)[0]
-
-
 def mismatches(model, prompts: list[list[int]], outs: list[list[int]], refs: list[list[int]]) -> dict:
     """Outputs that differ from the reference; of those, the ones that split from it at a near-tie, and
     the largest gap at a split (a split at a large gap would be a lossless bug); ``length_only``: ones
@@ -89,7 +83,7 @@ def mismatches(model, prompts: list[list[int]], outs: list[list[int]], refs: lis
         if o == r:
             continue
         if any(a != b for a, b in zip(o, r)):
-            gaps.append(_split(model, p, r, o))
+            gaps.append(divergence(model, p, r, o))
         else:
             length_only += 1
     return {"differ": len(gaps) + length_only, "near_ties": sum(g < tie for g, tie in gaps),

@@ -314,7 +314,7 @@ def test_bench_counts_mismatches_and_near_ties(pair, tok, reference, monkeypatch
     wrong[3] = (wrong[3] + 1) % target.config.vocab_size
     outs = [refs[0], wrong, refs[2][:5]] + refs[3:6]
     got = bench.mismatches(target, prompts[:6], outs, refs[:6])
-    gap = bench.first_divergence_gap(target, prompts[1], refs[1], wrong)
+    gap, _ = bench.divergence(target, prompts[1], refs[1], wrong)
     assert got == {"differ": 2, "near_ties": 0, "max_gap": gap, "length_only": 1}
     assert gap > NEAR_TIE  # peaked logits (conftest): the target really prefers refs[1][3]
     monkeypatch.setitem(bench.NEAR_TIE, torch.float32, gap * 2)

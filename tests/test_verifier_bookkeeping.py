@@ -47,6 +47,7 @@ def _verifier(monkeypatch, now: list[float]):
         return fn(*args)
 
     v._run, v._forget_idle, v._verify = run, lambda t: cls._forget_idle(v, t), lambda items: cls._verify(v, items)
+    v._free_released = lambda items, release: cls._free_released(v, items, release)
     return v, lambda items: cls.verify.__wrapped__(v, items), events
 
 
