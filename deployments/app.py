@@ -20,6 +20,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from osd_serve.config import SamplingParams
+from osd_serve.protocol import UnknownExpert
 
 from .api import make_app
 from .config import AppConfig, check_gpu_reservation, parse_config, replica_app, versions_root
@@ -53,7 +54,7 @@ class SpecServer:
         # Every configured expert is loaded at start; multiplexing is used for its routing: requests
         # for one expert go to replicas that already serve it, where its buffer and versions live.
         if expert not in self.service.experts():
-            raise ValueError(f"expert: unknown expert {expert!r}")
+            raise UnknownExpert(expert, self.service.experts())
         return expert
 
     async def generate(self, payload: dict):

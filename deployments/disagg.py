@@ -32,6 +32,7 @@ from osd_serve.config import SamplingParams
 from osd_serve.disagg import DraftWorker, ProposeItem, Proposal, TargetVerifier, Verdict, VerifyItem, run_request
 from osd_serve.distill.versions import VersionStore
 from osd_serve.output import Request, finish_counts, fit_max_tokens
+from osd_serve.protocol import UnknownExpert
 from osd_serve.serving import StallWatch
 
 from .api import BackPressureError
@@ -147,7 +148,7 @@ class DraftPool(_Batched):
     @serve.multiplexed(max_num_models_per_replica=64)
     async def get_worker(self, expert: str) -> DraftWorker:
         if expert not in self.adapters:
-            raise ValueError(f"expert: unknown expert {expert!r}")
+            raise UnknownExpert(expert, self.adapters)
         return await self._run(self._new_worker, expert)
 
     def _new_worker(self, expert: str) -> DraftWorker:
@@ -382,6 +383,8 @@ class DisaggBackend:
                 # which answers as colocated: before the first token a 503 for a full queue, else a 500 (logged
                 # there); after it, the stream's error event, or the whole completion's 503 or 500
                 req.finish_reason = "error"  # as released: not "abort", which is a client gone away
+                if isinstance(getattr(e, "cause", None), UnknownExpert):  # a DraftPool replica from before a redeploy
+                    raise UnknownExpert(e.cause.expert, e.cause.known) from None  # the client's 400 naming expert, as colocated
                 if isinstance(e, ValueError) and not isinstance(getattr(e, "cause", None), BaseException):
                     raise RuntimeError(f"the request loop failed: {type(e).__name__}") from e  # never the client's 400
                 raise

@@ -266,6 +266,19 @@ class RequestError(ValueError):
         return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}
 
 
+class UnknownExpert(ValueError):
+    """An expert this replica does not serve: the client's 400 naming ``expert``. Its own type, so the
+    disaggregated Router can tell it from a bug's ValueError when it comes back from a DraftPool replica
+    (a RayTaskError wrapping it): during a rolling redeploy an old replica lacks an expert the Router knows."""
+
+    def __init__(self, expert: str, known=()):
+        self.expert, self.known = expert, sorted(known)
+        super().__init__(f"expert: unknown expert {short_repr(expert)}; known: {self.known}")
+
+    def __reduce__(self):  # pickled across Ray with its own arguments, not the message (args)
+        return UnknownExpert, (self.expert, self.known)
+
+
 class _NotJSON(ValueError):
     pass
 

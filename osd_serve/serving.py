@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from .config import EngineConfig, SamplingParams
 from .engine import SpecEngine, StepStats
 from .output import Prompt, StreamDelta
-from .protocol import prepare_prompt
+from .protocol import UnknownExpert, prepare_prompt
 
 
 @dataclass
@@ -102,7 +102,7 @@ class AsyncSpecServer:
         """The prompt checked against ``expert``'s engine, tokenized in a worker thread: never on the
         event loop or the engine loop (a long prompt takes seconds, protocol.prepare_prompt)."""
         if expert not in self.engines:
-            raise ValueError(f"expert: unknown expert {expert!r}; known: {sorted(self.engines)}")
+            raise UnknownExpert(expert, self.engines)
         if isinstance(prompt, Prompt):
             return prompt
         eng = self.engines[expert]

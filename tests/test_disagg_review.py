@@ -175,3 +175,39 @@ def test_a_verify_that_its_release_overtook_leaves_no_target_row(monkeypatch):
     asyncio.run(run())
     assert "seq-1" not in v.core.caches.tokens and "seq-1" not in v.core.caches._rows
     assert "seq-2" in v.core.caches.tokens  # a sequence not released keeps its row
+
+
+def _unknown_on_replica() -> Exception:
+    """What the Router gets from a DraftPool replica that lacks the expert: the replica's UnknownExpert,
+    inside a RayTaskError (pickled across, as Ray sends it)."""
+    import pickle
+
+    from osd_serve.protocol import UnknownExpert
+
+    cause = pickle.loads(pickle.dumps(UnknownExpert("default", ["sql"])))
+    return RayTaskError("DraftPool.propose", "Traceback (pid=4242, ip=10.0.0.7)", cause).as_instanceof_cause()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_draft_replica_lacking_the_expert_is_the_clients_400(tok, stream):
+    """During a rolling redeploy an old DraftPool replica lacks an expert the new Router knows. Colocated
+    answers that with a 400 naming expert; disaggregated answered a 500 (its error came as a RayTaskError)."""
+    backend, _, verifier = _backend(tok, CFG)
+    _failing(backend.drafts, "propose", [_unknown_on_replica()])
+    r = _serve(backend, BODY | {"stream": stream}, lambda: verifier.ends)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "expert", r.text
+    assert err["message"] == "expert: unknown expert 'default'; known: ['sql']"
+    assert "pid=" not in r.text
+
+
+def test_the_draft_pool_refuses_an_expert_it_lacks_as_unknown_expert():
+    """The type the Router tells apart (a bug's ValueError stays a 500), raised before any load."""
+    from deployments.disagg import DraftPool
+    from osd_serve.protocol import UnknownExpert
+
+    pool = object.__new__(DraftPool.func_or_class)
+    pool.adapters = {"sql": None}
+    with pytest.raises(UnknownExpert) as got:
+        asyncio.run(DraftPool.func_or_class.get_worker.__wrapped__(pool, "default"))
+    assert (got.value.expert, got.value.known) == ("default", ["sql"])

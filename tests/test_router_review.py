@@ -147,7 +147,7 @@ def test_an_unknown_expert_in_the_replica_is_sent_as_a_400_naming_it(monkeypatch
     async def run():
         return [d async for d in server.generate({"expert": "sql", "prompt": "x", "params": {}})]
 
-    assert asyncio.run(run()) == [{"error": "expert: unknown expert 'sql'"}]
+    assert asyncio.run(run()) == [{"error": "expert: unknown expert 'sql'; known: ['default']"}]
 
 
 def test_a_full_request_queue_is_a_503(monkeypatch):
