@@ -6,6 +6,7 @@ than or equal to 1`, and unknown keys are refused so a typo never silently falls
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
@@ -266,9 +267,13 @@ def versions_root(cfg: AppConfig, app: str | None) -> Path:
     """Where an application's draft versions live: versions_dir/<app>. Stores are per expert below it,
     so two applications on one versions_dir published over each other's "default" expert (each
     application's controller trains its own pair), and a local-backend replica took another
-    application's slot and resumed its versions. None (no application): versions_dir itself."""
+    application's slot and resumed its versions. None (no application): versions_dir itself. A name
+    that is not a safe directory name as it is gets "-" and 8 hex digits of its hash after its sanitised
+    form, so two names that sanitise alike ("team/a", "team_a") never share one."""
     root = Path(os.path.expanduser(cfg.distill.versions_dir))
     if not app:
         return root
     name = re.sub(r"[^A-Za-z0-9_.-]", "_", app)  # one directory, whatever the application's name
-    return root / (name if set(name) != {"."} else "_" * len(name))
+    if name != app or set(name) == {"."}:  # else "chat v2" shared "chat_v2"'s; and "." or ".." is no directory of its own
+        name = f"{re.sub(r'^[.]+$', lambda m: '_' * len(m[0]), name)}-{hashlib.sha256(app.encode()).hexdigest()[:8]}"
+    return root / name

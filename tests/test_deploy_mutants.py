@@ -237,7 +237,13 @@ def test_each_application_has_its_own_versions_directory(monkeypatch):
 
     cfg = AppConfig(distill={"versions_dir": "/vs"})
     assert versions_root(cfg, None) == Path("/vs") and versions_root(cfg, "osd") == Path("/vs/osd")
-    assert versions_root(cfg, "a/../b") == Path("/vs/a_.._b") and versions_root(cfg, "..") == Path("/vs/__")
+    assert versions_root(cfg, "a/../b").parent == Path("/vs") and versions_root(cfg, "..").parent == Path("/vs")
+    assert versions_root(cfg, "a/../b").name.startswith("a_.._b-") and versions_root(cfg, "..").name.startswith("__-")
+    # names that sanitise alike never share a directory; a safe name keeps its own as it is
+    names = ["chat v2", "chat_v2", "chat/v2", "team/a", "team_a", ".", "..", "_", "__"]
+    assert len({versions_root(cfg, n) for n in names}) == len(names)
+    assert versions_root(cfg, "chat_v2") == Path("/vs/chat_v2") and versions_root(cfg, "x.y-z") == Path("/vs/x.y-z")
+    assert versions_root(cfg, "chat v2") == versions_root(cfg, "chat v2")  # stable: the same one at every start
     assert _versions_dir(cfg) == Path("/vs")  # outside a replica
     monkeypatch.setattr("ray.serve.get_replica_context", lambda: SimpleNamespace(app_name="qwen"))
     assert _versions_dir(cfg) == Path("/vs/qwen")  # the disaggregated pool's watcher and the router's admin routes
