@@ -158,6 +158,8 @@ class DecoderResult:
     # loop's own bookkeeping (admission, uniforms, appending and detokenising, cache compaction)
     loop_seconds: float | None = None
     auto_k_steps: dict | None = None  # engine "auto": steps per k it chose (first round)
+    # (b) rows: the batch HF really decoded at (its limit), whatever batch_size they are compared at
+    decoded_at_batch: int | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -274,13 +276,14 @@ def run_bench(
         a = DecoderResult("target_alone_hf", bs, sum(map(len, ref)), t["a"], round_seconds=times["a"])
         m = mismatches(target, ids, hf_asst, ref)
         b = DecoderResult("hf_assisted", bs, sum(map(len, hf_asst)), t["b"], outputs_match_target=len(ref) - m["differ"],
-                          mismatch=m, round_seconds=times["b"])
+                          mismatch=m, round_seconds=times["b"], decoded_at_batch=HF_ASSISTED_BATCH)
         results += [a, b]
         b_k = {}  # HF assisted drafting the engine's k (batch 1, as (b))
         for k in ks:
             m = mismatches(target, ids, first[f"b{k}"][0], ref)
             b_k[k] = DecoderResult("hf_assisted_matched_k", bs, sum(map(len, first[f"b{k}"][0])), t[f"b{k}"], k=k,
-                                   outputs_match_target=len(ref) - m["differ"], mismatch=m, round_seconds=times[f"b{k}"])
+                                   outputs_match_target=len(ref) - m["differ"], mismatch=m, round_seconds=times[f"b{k}"],
+                                   decoded_at_batch=HF_ASSISTED_BATCH)
         results += list(b_k.values())
         log(f"[batch {bs}] c={c:.3f}  target alone {a.tokens_per_s:.1f} tok/s  HF assisted {b.tokens_per_s:.1f} tok/s")
         per_k = {}

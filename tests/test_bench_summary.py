@@ -187,3 +187,11 @@ def test_a_split_to_a_low_ranked_token_is_not_a_near_tie_where_the_top_two_are_c
     assert got["near_ties"] == 0 and got["max_gap"] == pytest.approx(9.0)
     got = bench.mismatches(model, [[2]], [[1]], [[0]])  # the runner-up: a tie
     assert got["near_ties"] == 1 and got["max_gap"] == pytest.approx(0.03, abs=0.02)
+
+
+def test_hf_assisted_rows_say_the_batch_hf_decoded_at(report):
+    """(b) and (b, k matched) run at batch 1 (HF's limit) and are compared at every batch size: their rows
+    said only batch_size 2 here, as if HF had decoded two rows at once."""
+    rows = [r for r in report["results"] if r["name"].startswith("hf_assisted")]
+    assert len(rows) == 3 and all(r["batch_size"] == 2 and r["decoded_at_batch"] == 1 for r in rows)
+    assert all(r["decoded_at_batch"] is None for r in report["results"] if not r["name"].startswith("hf_assisted"))
