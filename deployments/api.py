@@ -164,8 +164,13 @@ def make_app(backend, cfg: AppConfig) -> FastAPI:
         try:
             warning = await asyncio.wait_for(backend.ready(), HEALTH_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001  whatever failed (no replica, a dead one), this router cannot serve
-            why = (f"the readiness check did not finish within {HEALTH_TIMEOUT_S:g} s" if isinstance(e, (TimeoutError, asyncio.TimeoutError))
-                   else f"{type(e).__name__}: {e}")
+            if isinstance(e, (TimeoutError, asyncio.TimeoutError)):
+                why = f"the readiness check did not finish within {HEALTH_TIMEOUT_S:g} s"
+            elif type(e) is RuntimeError:  # the readiness checks' own reasons
+                why = f"RuntimeError: {e}"
+            else:  # needs no key: a RayTaskError's or a bug's text (tracebacks, paths, addresses) stays in the log
+                why = type(e).__name__
+                logger.warning("/health: the readiness check failed: %s: %s", type(e).__name__, e)
             return JSONResponse({"status": "unavailable", "error": why}, 503)
         return {"status": "ok"} | ({"warning": warning} if warning else {})
 

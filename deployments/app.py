@@ -25,6 +25,7 @@ from osd_serve.protocol import UnknownExpert
 from .api import make_app
 from .config import AppConfig, check_gpu_reservation, parse_config, replica_app, versions_root
 
+logger = logging.getLogger(__name__)
 
 @serve.deployment(name="SpecServer", max_ongoing_requests=64)
 class SpecServer:
@@ -137,14 +138,18 @@ class Readiness:
         self._pending: asyncio.Task | None = None  # the one outstanding controller call
         self._answer: str | None = None  # the last answer: None, or why not ready
         self._answered_at: float | None = None  # time.monotonic() of it
-        self._failure: str | None = None  # the last call's error, if it raised
+        self._failure: str | None = None  # the last call's error type, if it raised
 
     async def _refresh(self) -> None:
         # The state is settled here, before the task completes: whoever awaits it sees the answer.
         try:
             answer = await asyncio.get_running_loop().run_in_executor(self._pool, not_running, self.deployments)
         except Exception as e:  # noqa: BLE001  the controller's failure is reported, not raised into the loop
-            self._failure = f"{type(e).__name__}: {e}"
+            # /health needs no key, so it gets the type only: a RayTaskError's text is the controller's
+            # traceback (pids, addresses, paths). The log has it, once per new failure, not every second.
+            if self._failure != type(e).__name__:  # None again after each answer
+                logger.warning("/health: the Serve controller's status failed: %s", e)
+            self._failure = type(e).__name__
         else:
             self._answer, self._answered_at, self._failure = answer, time.monotonic(), None
         finally:
@@ -225,7 +230,7 @@ def build_app(args: dict | None = None):
     cfg = parse_config(args)
     if cfg.api_key is None:  # allowed (a private network), but never silently: a key exported in the
         # shell that runs `serve run` is not seen here when the cluster was started elsewhere (ray start)
-        logging.getLogger(__name__).warning(
+        logger.warning(
             "no api_key: /v1 is open to anyone who can reach it. Set api_key in the config, or OSD_API_KEY in "
             "the environment of the cluster (ray start, or runtime_env.env_vars)")
     # Build the embedded default pair here, in the application build task, so its progress shows in

@@ -252,7 +252,7 @@ def test_readiness_reads_the_controllers_replica_count_one_call_at_a_time(monkey
 
     async def first_call_fails():
         monkeypatch.setattr(app.serve, "status", broken)
-        with pytest.raises(RuntimeError, match=r"^the Serve controller's status failed: ConnectionError: controller unreachable$"):
+        with pytest.raises(RuntimeError, match=r"^the Serve controller's status failed: ConnectionError$"):
             await app.Readiness(["SpecServer"]).check()
         monkeypatch.setattr(app.serve, "status", serve_status)
 
@@ -325,7 +325,7 @@ def test_readiness_keeps_its_last_answer_through_a_failing_controller(monkeypatc
         fail[0], clock[0] = True, clock[0] + 6
         assert await r.check() is None  # the refresh raised: the last answer stands
         clock[0] += 40
-        assert await r.check() == "the Serve controller has not answered for 46 s (ConnectionError: controller unreachable)"
+        assert await r.check() == "the Serve controller has not answered for 46 s (ConnectionError)"
         fail[0], clock[0] = False, clock[0] + 6
         assert await r.check() is None  # answered again
         monkeypatch.setattr(app.Readiness, "REFRESH_S", 0.1)
