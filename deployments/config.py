@@ -56,7 +56,9 @@ RESERVED_NAMES = ("controller.json", "ray_train", "replicas")
 
 
 class ExpertConfig(_Strict):
-    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    # A directory name under versions_dir (and replicas/slot-N): 100 characters keeps it well inside a
+    # file system's 255-byte name limit (Errno 36 failed the replica's start, not `serve run`)
+    name: str = Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9_.-]+$")
     # The router's classifier: an expert whose keyword occurs in the prompt (case-insensitive) wins;
     # the first configured expert with a hit is taken, else `default_expert`.
     keywords: list[Annotated[str, Field(min_length=1)]] = []  # "" would match every prompt
@@ -76,8 +78,9 @@ class ExpertConfig(_Strict):
     @field_validator("name")
     @classmethod
     def _not_a_relative_dir(cls, v: str) -> str:  # the name is a directory under versions_dir
-        if set(v) == {"."}:
-            raise ValueError("must not be only dots (it names a directory under versions_dir)")
+        if v.startswith("."):  # ".", "..", and the stores' own files: a slot's .owner, a store's .lock, .tmp-*
+            raise ValueError("must not start with a dot (it names a directory under versions_dir, beside files "
+                             "such as .owner and .lock)")
         if v in RESERVED_NAMES:  # its store would collide with the controller's files
             raise ValueError(f"must not be one of {', '.join(RESERVED_NAMES)} (it names a directory under versions_dir, "
                              f"beside those)")
@@ -274,6 +277,7 @@ def versions_root(cfg: AppConfig, app: str | None) -> Path:
     if not app:
         return root
     name = re.sub(r"[^A-Za-z0-9_.-]", "_", app)  # one directory, whatever the application's name
-    if name != app or set(name) == {"."}:  # else "chat v2" shared "chat_v2"'s; and "." or ".." is no directory of its own
-        name = f"{re.sub(r'^[.]+$', lambda m: '_' * len(m[0]), name)}-{hashlib.sha256(app.encode()).hexdigest()[:8]}"
+    # else "chat v2" shared "chat_v2"'s; "." or ".." is no directory of its own; over 255 bytes, none at all
+    if name != app or set(name) == {"."} or len(name) > 100:
+        name = f"{re.sub(r'^[.]+$', lambda m: '_' * len(m[0]), name[:100])}-{hashlib.sha256(app.encode()).hexdigest()[:8]}"
     return root / name

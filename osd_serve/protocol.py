@@ -314,8 +314,12 @@ def parse_request(raw: bytes, model: type[BaseModel]) -> BaseModel:
             return long_ints[-1]
 
     try:
-        data = json.loads(raw or b"null", parse_constant=_not_json, parse_int=parse_int)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        # Decoded as UTF-8 here (RFC 8259 8.1; a leading BOM is let go): json.loads detected UTF-16 and -32 itself
+        text = raw.decode("utf-8").removeprefix("\ufeff") if raw else "null"
+        data = json.loads(text, parse_constant=_not_json, parse_int=parse_int)
+    except UnicodeDecodeError as e:
+        raise RequestError(f"body is not valid UTF-8: {e.reason} at byte {e.start}") from None
+    except json.JSONDecodeError as e:
         raise RequestError(f"body is not valid JSON: {e}") from None
     except _NotJSON as e:
         raise RequestError(str(e)) from None

@@ -22,7 +22,7 @@ def test_config_errors_name_the_field():
     assert parse_config({"topology": "disaggregated", "distill": {"backend": "ray_train"}}).distill.enabled
     with pytest.raises(ValueError, match="draft_ahead"):
         parse_config({"draft_ahead": "sometimes"})
-    with pytest.raises(ValueError, match="experts.1.name.*only dots"):  # it names a directory under versions_dir
+    with pytest.raises(ValueError, match="experts.1.name.*start with a dot"):  # it names a directory under versions_dir
         parse_config({"experts": [{"name": "default"}, {"name": ".."}]})
     assert parse_config({"draft_ahead": False}).draft_ahead is False and parse_config({}).draft_ahead == "auto"
     # coerced before: "4" and 4.0 were k = 4, true was k = 1, "yes" was true, [""] matched every prompt

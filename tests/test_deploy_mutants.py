@@ -60,7 +60,7 @@ def test_the_first_value_past_each_remaining_bound_is_refused(args, field):
 
 def test_the_last_values_inside_those_bounds_are_accepted():
     cfg = parse_config({"batch_wait_timeout_s": 0, "max_prompt_chars": 1, "distill": {"record_topk": 0, "keep_versions": 1,
-                        "max_train_workers": 1, "buffer_mb": 1}, "experts": [{"name": "default"}, {"name": ".a-b_c."}]})
+                        "max_train_workers": 1, "buffer_mb": 1}, "experts": [{"name": "default"}, {"name": "a-b_c."}]})
     assert (cfg.batch_wait_timeout_s, cfg.prompt_char_limit, cfg.distill.keep_versions) == (0, 1, 1)
     assert parse_config({"batch_wait_timeout_s": 1}).batch_wait_timeout_s == 1
     assert parse_config({"distill": {"record_topk": 5}}).distill.record_topk == 5

@@ -87,3 +87,39 @@ def test_health_answers_only_the_type_of_an_error_it_did_not_word(caplog):
 
     r = TestClient(make_app(_Backend(own), CFG)).get("/health")
     assert r.json()["error"] == "RuntimeError: SpecServer has no running replica (UPDATING; `serve status` says why)"
+
+
+@pytest.mark.parametrize("name", [".owner", ".lock", ".tmp-1", "..", "a" * 101])
+def test_an_expert_name_that_cannot_be_its_directory_is_refused_at_serve_run(name):
+    """Accepted, ".owner" (a slot's lock file beside the stores) and a 300-character name (Errno 36)
+    failed each replica's start, where Serve retries and the app is left unable to serve."""
+    from deployments.config import parse_config
+
+    with pytest.raises(ValueError, match=r"experts\.0\.name"):
+        parse_config({"experts": [{"name": name}], "default_expert": name})
+    assert parse_config({"experts": [{"name": "a" * 100}], "default_expert": "a" * 100})  # the longest kept
+
+
+def test_a_long_application_name_still_has_a_directory_of_its_own():
+    from pathlib import Path
+
+    from deployments.config import versions_root
+
+    cfg = AppConfig(distill={"versions_dir": "/vs"})
+    long_a, long_b = "a" * 300, "a" * 299 + "b"
+    assert len(versions_root(cfg, long_a).name) < 120 and versions_root(cfg, long_a) != versions_root(cfg, long_b)
+    assert versions_root(cfg, "a" * 100) == Path("/vs") / ("a" * 100)  # one that fits keeps its name as it is
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-32"])  # with their BOMs: UTF-16-LE without one is UTF-8 with NULs
+def test_a_body_must_be_utf8(encoding):
+    """json.loads on bytes detected UTF-16 and UTF-32 itself, so such a body was served (RFC 8259 8.1:
+    JSON between systems is UTF-8). A leading UTF-8 BOM is still let go."""
+    from tests.test_http_edges import Scripted
+
+    c = TestClient(make_app(Scripted(), CFG))
+    auth = {"Authorization": "Bearer sk-test", "content-type": "application/json"}
+    r = c.post("/v1/completions", headers=auth, content='{"prompt": "x"}'.encode(encoding))
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("body is not valid UTF-8"), r.text
+    r = c.post("/v1/completions", headers=auth, content='{"prompt": "x"}'.encode("utf-8-sig"))
+    assert r.status_code == 200, r.text
