@@ -278,6 +278,6 @@ def versions_root(cfg: AppConfig, app: str | None) -> Path:
         return root
     name = re.sub(r"[^A-Za-z0-9_.-]", "_", app)  # one directory, whatever the application's name
     # else "chat v2" shared "chat_v2"'s; "." or ".." is no directory of its own; over 255 bytes, none at all
-    if name != app or set(name) == {"."} or len(name) > 100:
+    if name != app or set(name) == {"."} or len(name) > 255:
         name = f"{re.sub(r'^[.]+$', lambda m: '_' * len(m[0]), name[:100])}-{hashlib.sha256(app.encode()).hexdigest()[:8]}"
     return root / name

@@ -108,7 +108,7 @@ def test_a_long_application_name_still_has_a_directory_of_its_own():
     cfg = AppConfig(distill={"versions_dir": "/vs"})
     long_a, long_b = "a" * 300, "a" * 299 + "b"
     assert len(versions_root(cfg, long_a).name) < 120 and versions_root(cfg, long_a) != versions_root(cfg, long_b)
-    assert versions_root(cfg, "a" * 100) == Path("/vs") / ("a" * 100)  # one that fits keeps its name as it is
+    assert versions_root(cfg, "a" * 255) == Path("/vs") / ("a" * 255)  # one that fits keeps its name as it is
 
 
 @pytest.mark.parametrize("encoding", ["utf-16", "utf-32"])  # with their BOMs: UTF-16-LE without one is UTF-8 with NULs
