@@ -118,7 +118,8 @@ def make_app(backend, cfg: AppConfig) -> FastAPI:
 
     @app.exception_handler(RequestError)
     async def _bad_request(_, e: RequestError):
-        return JSONResponse(e.body(), status_code=e.status)
+        # a full queue: tell clients (the openai SDK's retries) when to come back, not its own 0.5 s backoff
+        return JSONResponse(e.body(), status_code=e.status, headers={"Retry-After": "1"} if e.status == 503 else None)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):  # unknown route, wrong method: OpenAI's shape too
@@ -271,7 +272,7 @@ def make_app(backend, cfg: AppConfig) -> FastAPI:
                     yield sse(usage_chunk(rid, model, usage(n_tok), chat, created))
                 yield sse("[DONE]")
 
-            return _ClosingStream(events(), it, media_type="text/event-stream", headers={"x-osd-expert": expert})
+            return _ClosingStream(events(), it, media_type="text/event-stream", headers={"x-osd-expert": expert, "x-request-id": rid})
 
         text, n_tok, finish = "", 0, None
         try:
@@ -283,7 +284,7 @@ def make_app(backend, cfg: AppConfig) -> FastAPI:
             raise backend_failed(e) from None
         if finish == "error":
             raise engine_failed()
-        return JSONResponse(completion_body(rid, model, text, finish, usage(n_tok), chat, created), headers={"x-osd-expert": expert})
+        return JSONResponse(completion_body(rid, model, text, finish, usage(n_tok), chat, created), headers={"x-osd-expert": expert, "x-request-id": rid})
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -59,6 +59,14 @@ _UNIMPLEMENTED = {
     "function_call": ((None,), "function calls are not supported; send null"),
     "audio": ((None,), "audio is not supported; send null"),
     "annotations": ((None, []), "annotations are not supported; send null or []"),
+    # newer chat fields the openai SDK types: their values that ask for nothing
+    "store": ((None, False), "stored completions are not supported; send null or false"),
+    "metadata": ((None, {}), "metadata (for stored completions) is not supported; send null or {}"),
+    "service_tier": ((None, "auto", "default"), 'only "auto" or "default" is supported'),
+    "parallel_tool_calls": ((None, True, False), ""),  # means nothing without tools, which are refused
+    "reasoning_effort": ((None,), "reasoning effort is not supported; send null"),
+    "modalities": ((None, ["text"]), 'only ["text"] is supported'),
+    "include_obfuscation": ((None, False), "stream obfuscation is not supported; send false"),
 }
 
 
@@ -78,6 +86,8 @@ def _neutral_only(v, info):
 
 class StreamOptions(_Strict):
     include_usage: bool = False  # a last chunk with no choices and the request's usage
+    include_obfuscation: bool | None = None  # _UNIMPLEMENTED: only false (this server adds no obfuscation field)
+    _neutral = field_validator("include_obfuscation")(_neutral_only)
 
 
 class _Sampling(_Strict):
@@ -217,7 +227,16 @@ class ChatRequest(_Sampling):
     tools: list[dict] | None = None  # these three: _UNIMPLEMENTED, accepted at their neutral values only
     tool_choice: str | None = None
     response_format: dict | None = None
-    _neutral_chat = field_validator("tools", "tool_choice", "response_format")(_neutral_only)
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: str | None = None
+    modalities: list[str] | None = None
+    safety_identifier: str | None = None  # identification only, like user: accepted, not used
+    prompt_cache_key: str | None = None  # a cache routing hint: accepted, not used
+    _neutral_chat = field_validator("tools", "tool_choice", "response_format", "store", "metadata", "service_tier",
+                                    "parallel_tool_calls", "reasoning_effort", "modalities")(_neutral_only)
 
     def _limit(self) -> int | None:
         # OpenAI's newer name for the limit; with both sent it wins, as in vLLM (max_tokens is deprecated)

@@ -67,6 +67,7 @@ def test_a_full_queue_at_the_first_step_is_a_503(tok, where, stream):
     _failing(backend.drafts if where == "propose" else backend.verifier, where, [_full()])
     r = _serve(backend, BODY | {"stream": stream}, lambda: verifier.ends)
     assert r.status_code == 503 and "capacity" in r.json()["error"]["message"], r.text
+    assert r.headers["retry-after"] == "1"  # when to come back; the openai SDK's retries follow it
     assert [finish for _, finish, _ in verifier.ends] == ["error"]  # released on both sides, as failed
 
 
