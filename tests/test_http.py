@@ -7,6 +7,7 @@ import asyncio
 import copy
 import json
 import threading
+import time
 
 import pytest
 import torch
@@ -414,10 +415,16 @@ def test_wandb_offline_files_hold_the_alpha_history(client, service):
     svc.telemetry.maybe_log(force=True)
     hist = [h for h in svc.telemetry.history if "alpha/default" in h]
     assert hist and all(0 <= h["alpha/default"] <= 1 for h in hist)
-    svc.telemetry.close()  # finishes the run: its offline file is complete on disk
-    files = list((tmp / "wandb").rglob("*.wandb"))
+    svc.telemetry.close()  # finishes the run
+    # wandb's writer (its own service process) may still be flushing the offline file when finish()
+    # returns: once in CI, with the cores busy, the file had no row yet. Waited for, up to 60 s.
+    deadline, found = time.monotonic() + 60, False
+    while not found and time.monotonic() < deadline:
+        files = list((tmp / "wandb").rglob("*.wandb"))
+        found = any(b"alpha/default" in f.read_bytes() for f in files)
+        time.sleep(0 if found else 0.2)
     assert files, "no offline run file"
-    assert any(b"alpha/default" in f.read_bytes() for f in files)
+    assert found, [(f, f.stat().st_size) for f in files]
 
 
 def test_a_chat_template_that_writes_bos_gets_one_bos():
