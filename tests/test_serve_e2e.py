@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -28,9 +29,21 @@ PROMPTS = ["def f(x):", "x = [1, 2", "print('hi')", "import os", "class A:", "fo
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range (and above Ray's worker ports, 10002-19999). A port
+    the kernel handed out here was free when checked, but Ray, starting up, binds ephemeral ports of its
+    own: once one of its processes took it first and Serve's proxy failed to bind."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]) \
+        if Path("/proc/sys/net/ipv4/ip_local_port_range").exists() else 32768
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, max(20001, min(low, 32768)))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32767")
 
 
 @pytest.fixture(scope="session")
