@@ -92,7 +92,8 @@ def _unauthorized(request: Request, message: str) -> JSONResponse:
     """RFC 7235 §3.1: a 401 MUST carry WWW-Authenticate. RFC 6750 §3: a bearer token that was sent and
     refused is invalid_token; a request with none gets the bare scheme."""
     challenge = 'Bearer error="invalid_token"' if "authorization" in request.headers else "Bearer"
-    return JSONResponse(RequestError(message, None, 401).body(), 401, headers={"WWW-Authenticate": challenge})
+    # code: OpenAI's for a wrong or missing key, which its clients read (the SDK's AuthenticationError.code)
+    return JSONResponse(RequestError(message, None, 401, "invalid_api_key").body(), 401, headers={"WWW-Authenticate": challenge})
 
 
 def _route_path(scope) -> str:

@@ -66,5 +66,6 @@ def test_openai_sdk_main_paths(app):
             await c.completions.create(model="gpt-4o", prompt="x")
         assert e.value.code == "model_not_found"
     _run(app, body)
-    with pytest.raises(openai.AuthenticationError):
+    with pytest.raises(openai.AuthenticationError) as e:
         _run(app, lambda c: c.models.list(), key="wrong")
+    assert e.value.code == "invalid_api_key"  # OpenAI's code for it; was None
