@@ -273,7 +273,7 @@ def make_app(backend, cfg: AppConfig) -> FastAPI:
                     yield sse(usage_chunk(rid, model, usage(n_tok), chat, created))
                 yield sse("[DONE]")
 
-            return _ClosingStream(events(), it, media_type="text/event-stream", headers={"x-osd-expert": expert, "x-request-id": rid})
+            return _ClosingStream(events(), it, media_type="text/event-stream", headers={"x-osd-expert": expert})
 
         text, n_tok, finish = "", 0, None
         try:
@@ -285,7 +285,7 @@ def make_app(backend, cfg: AppConfig) -> FastAPI:
             raise backend_failed(e) from None
         if finish == "error":
             raise engine_failed()
-        return JSONResponse(completion_body(rid, model, text, finish, usage(n_tok), chat, created), headers={"x-osd-expert": expert, "x-request-id": rid})
+        return JSONResponse(completion_body(rid, model, text, finish, usage(n_tok), chat, created), headers={"x-osd-expert": expert})
 
     @app.post("/v1/completions")
     async def completions(request: Request):
