@@ -167,7 +167,7 @@ def test_a_torch_call_that_hangs_past_the_stall_timeout_fails_the_health_check(m
     """DraftPool and Verifier had no check_health: a torch call that hung (a CUDA hang) left the event
     loop free, so Serve's liveness ping passed, the replica was never replaced and every request
     whose step it held waited until its client left. Past stall_timeout_s the check raises."""
-    pool, _, _ = _pool(monkeypatch, cap=2, stall_timeout_s=0.3)
+    pool, _, _ = _pool(monkeypatch, cap=2, stall_timeout_s=1.5)  # "not yet past" below must not flake on a paused runner
     from osd_serve.disagg import ProposeItem, Sampling
 
     gate, entered = threading.Event(), threading.Event()
@@ -187,8 +187,8 @@ def test_a_torch_call_that_hangs_past_the_stall_timeout_fails_the_health_check(m
         call = asyncio.ensure_future(pool._run(pool._propose, worker, [ProposeItem("s", [5, 6, 7], 2, Sampling())]))
         assert await asyncio.to_thread(entered.wait, 10)
         await pool.check_health()  # running, not yet past the limit
-        await asyncio.sleep(0.5)
-        with pytest.raises(RuntimeError, match=r"a torch call has run for \d+ s \(stall_timeout_s is 0.3\)"):
+        await asyncio.sleep(2.0)
+        with pytest.raises(RuntimeError, match=r"a torch call has run for \d+ s \(stall_timeout_s is 1.5\)"):
             await pool.check_health()
         gate.set()
         assert len((await call)[0].tokens) == 2

@@ -64,10 +64,16 @@ def test_health_never_shows_the_controllers_traceback(monkeypatch, caplog):
     monkeypatch.setattr(app, "not_running", flaky)
     monkeypatch.setattr(app.Readiness, "REFRESH_S", 0.0)
     monkeypatch.setattr(app.Readiness, "GRACE_S", 0.0)
-    c = TestClient(make_app(_Backend(app.Readiness(["SpecServer"]).check), CFG))
-    for _ in range(3):
+    readiness = app.Readiness(["SpecServer"])
+    # One event loop for all requests (a bare TestClient runs each on a loop of its own and cancels a
+    # refresh still running when it ends: 1 run in 40 failed so), and the failed refresh waited for.
+    with TestClient(make_app(_Backend(readiness.check), CFG)) as c:
+        assert c.get("/health").status_code == 200  # the first answer
+        c.get("/health")  # starts a refresh, which fails in the background
+        deadline = time.monotonic() + 10
+        while readiness._failure is None and time.monotonic() < deadline:
+            time.sleep(0.01)
         r = c.get("/health")
-        time.sleep(0.05)
     assert r.status_code == 200 and "warning" in r.json() and len(calls) > 1, r.text
     assert r.json()["warning"].endswith("(RayTaskError(KeyError))") and not _leaks(r.text), r.text
 
