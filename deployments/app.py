@@ -27,6 +27,7 @@ from .config import AppConfig, check_gpu_reservation, parse_config, replica_app,
 
 logger = logging.getLogger(__name__)
 
+
 @serve.deployment(name="SpecServer", max_ongoing_requests=64)
 class SpecServer:
     def __init__(self, cfg: dict):

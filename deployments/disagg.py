@@ -383,8 +383,9 @@ class DisaggBackend:
                 # which answers as colocated: before the first token a 503 for a full queue, else a 500 (logged
                 # there); after it, the stream's error event, or the whole completion's 503 or 500
                 req.finish_reason = "error"  # as released: not "abort", which is a client gone away
-                if isinstance(getattr(e, "cause", None), UnknownExpert):  # a DraftPool replica from before a redeploy
-                    raise UnknownExpert(e.cause.expert, e.cause.known) from None  # the client's 400 naming expert, as colocated
+                lacks = e if isinstance(e, UnknownExpert) else getattr(e, "cause", None)  # Ray wraps it in a RayTaskError
+                if isinstance(lacks, UnknownExpert):  # a DraftPool replica from before a redeploy
+                    raise UnknownExpert(lacks.expert, lacks.known) from None  # the client's 400 naming expert, as colocated
                 if isinstance(e, ValueError) and not isinstance(getattr(e, "cause", None), BaseException):
                     raise RuntimeError(f"the request loop failed: {type(e).__name__}") from e  # never the client's 400
                 raise

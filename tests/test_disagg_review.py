@@ -189,12 +189,13 @@ def _unknown_on_replica() -> Exception:
     return RayTaskError("DraftPool.propose", "Traceback (pid=4242, ip=10.0.0.7)", cause).as_instanceof_cause()
 
 
+@pytest.mark.parametrize("wrapped", [True, False], ids=["through_ray", "in_process"])
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_draft_replica_lacking_the_expert_is_the_clients_400(tok, stream):
+def test_a_draft_replica_lacking_the_expert_is_the_clients_400(tok, stream, wrapped):
     """During a rolling redeploy an old DraftPool replica lacks an expert the new Router knows. Colocated
     answers that with a 400 naming expert; disaggregated answered a 500 (its error came as a RayTaskError)."""
     backend, _, verifier = _backend(tok, CFG)
-    _failing(backend.drafts, "propose", [_unknown_on_replica()])
+    _failing(backend.drafts, "propose", [_unknown_on_replica() if wrapped else _unknown_on_replica().cause])
     r = _serve(backend, BODY | {"stream": stream}, lambda: verifier.ends)
     err = r.json()["error"]
     assert r.status_code == 400 and err["param"] == "expert", r.text
