@@ -23,12 +23,12 @@ from osd_serve.config import SamplingParams
 from osd_serve.protocol import UnknownExpert
 
 from .api import make_app
-from .config import AppConfig, check_gpu_reservation, parse_config, replica_app, versions_root
+from .config import GRACEFUL_SHUTDOWN_S, AppConfig, check_gpu_reservation, parse_config, replica_app, versions_root
 
 logger = logging.getLogger(__name__)
 
 
-@serve.deployment(name="SpecServer", max_ongoing_requests=64)
+@serve.deployment(name="SpecServer", max_ongoing_requests=64, graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_S)
 class SpecServer:
     def __init__(self, cfg: dict):
         from osd_serve.service import SpecService
@@ -246,7 +246,7 @@ def build_app(args: dict | None = None):
 
     # The FastAPI app needs the config (auth, classifier) now; the backend finds its handles itself,
     # in the replica.
-    @serve.deployment(name="Router", max_ongoing_requests=256)
+    @serve.deployment(name="Router", max_ongoing_requests=256, graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_S)
     @serve.ingress(make_app(backend, cfg))
     class Router:
         def __init__(self, *deployments: DeploymentHandle):

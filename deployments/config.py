@@ -54,6 +54,12 @@ def _not_a_hub_id(v: str) -> str | None:
 # Files and folders of versions_dir/<app>/ that are not an expert's store (deployments/distiller.py)
 RESERVED_NAMES = ("controller.json", "ray_train", "replicas")
 
+# How long a replica that a redeploy or a scale-down stops keeps serving the requests it holds before Serve
+# kills it (every deployment's graceful_shutdown_timeout_s; a config's `deployments:` entry may set its
+# own). Serve's 20 s cut a stream mid-way (benchmarks/redeploy_drain.py); a hung replica's requests end
+# that much later.
+GRACEFUL_SHUTDOWN_S = 120.0
+
 
 class ExpertConfig(_Strict):
     # A directory name under versions_dir (and replicas/slot-N): 100 characters keeps it well inside a

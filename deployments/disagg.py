@@ -37,7 +37,7 @@ from osd_serve.serving import StallWatch
 
 from .api import BackPressureError
 from .app import Readiness
-from .config import AppConfig, check_gpu_reservation, replica_app, versions_root
+from .config import GRACEFUL_SHUTDOWN_S, AppConfig, check_gpu_reservation, replica_app, versions_root
 
 IDLE_SEQUENCE_S = 600.0  # see Verifier._forget_idle
 RELEASE_TRIES = 6  # a release refused by a full queue is sent again, 0.05 s later, then 0.1 s, ... (1.55 s in all)
@@ -119,7 +119,7 @@ class _Batched:
             raise RuntimeError(why)
 
 
-@serve.deployment(name="DraftPool", max_ongoing_requests=256)
+@serve.deployment(name="DraftPool", max_ongoing_requests=256, graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_S)
 class DraftPool(_Batched):
     def __init__(self, cfg: dict):
         from osd_serve.distill.versions import VersionWatcher
@@ -192,7 +192,7 @@ class DraftPool(_Batched):
             await self._run(worker.release, seq_id)
 
 
-@serve.deployment(name="Verifier", max_ongoing_requests=256,
+@serve.deployment(name="Verifier", max_ongoing_requests=256, graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_S,
                   request_router_config={"request_router_class": CONSISTENT_HASH})
 class Verifier(_Batched):
     def __init__(self, cfg: dict):

@@ -131,6 +131,12 @@ def test_the_builder_makes_the_deployments_the_shipped_configs_configure(path, m
     assert set(built) == {d["name"] for d in spec["deployments"]}
     for d in spec["deployments"]:
         assert built[d["name"]].max_ongoing_requests == d["max_ongoing_requests"], d["name"]
+    # A replaced replica serves what it holds for 120 s, not Serve's 20 s (which cut a stream in
+    # benchmarks/redeploy_drain.py), unless a config's entry sets its own
+    from deployments.config import GRACEFUL_SHUTDOWN_S
+
+    for name, dep in built.items():
+        assert dep._deployment_config.graceful_shutdown_timeout_s == GRACEFUL_SHUTDOWN_S == 120, name
     assert len(calls) == 1  # the default pair is built in the build task, where `serve run` shows its progress
     for name, dep in built.items():
         if name != "Router":  # every model deployment gets the validated config, less the keys
