@@ -383,10 +383,11 @@ class DisaggBackend:
                 # which answers as colocated: before the first token a 503 for a full queue, else a 500 (logged
                 # there); after it, the stream's error event, or the whole completion's 503 or 500
                 req.finish_reason = "error"  # as released: not "abort", which is a client gone away
-                lacks = e if isinstance(e, UnknownExpert) else getattr(e, "cause", None)  # Ray wraps it in a RayTaskError
+                cause = getattr(e, "cause", None)  # a RayTaskError's: what the replica raised
+                lacks = e if isinstance(e, UnknownExpert) else cause
                 if isinstance(lacks, UnknownExpert):  # a DraftPool replica from before a redeploy
                     raise UnknownExpert(lacks.expert, lacks.known) from None  # the client's 400 naming expert, as colocated
-                if isinstance(e, ValueError) and not isinstance(getattr(e, "cause", None), BaseException):
+                if isinstance(e, ValueError) and not isinstance(cause, BaseException):
                     raise RuntimeError(f"the request loop failed: {type(e).__name__}") from e  # never the client's 400
                 raise
         finally:  # finished, failed or the client went away: free the sequence on both sides, without waiting

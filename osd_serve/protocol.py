@@ -63,7 +63,6 @@ _UNIMPLEMENTED = {
     "store": ((None, False), "stored completions are not supported; send null or false"),
     "metadata": ((None, {}), "metadata (for stored completions) is not supported; send null or {}"),
     "service_tier": ((None, "auto", "default"), 'only "auto" or "default" is supported'),
-    "parallel_tool_calls": ((None, True, False), ""),  # means nothing without tools, which are refused
     "reasoning_effort": ((None,), "reasoning effort is not supported; send null"),
     "modalities": ((None, ["text"]), 'only ["text"] is supported'),
     "include_obfuscation": ((None, False), "stream obfuscation is not supported; send false"),
@@ -230,13 +229,13 @@ class ChatRequest(_Sampling):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: bool | None = None  # any value: it means nothing without tools, which are refused
     reasoning_effort: str | None = None
     modalities: list[str] | None = None
     safety_identifier: str | None = None  # identification only, like user: accepted, not used
     prompt_cache_key: str | None = None  # a cache routing hint: accepted, not used
     _neutral_chat = field_validator("tools", "tool_choice", "response_format", "store", "metadata", "service_tier",
-                                    "parallel_tool_calls", "reasoning_effort", "modalities")(_neutral_only)
+                                    "reasoning_effort", "modalities")(_neutral_only)
 
     def _limit(self) -> int | None:
         # OpenAI's newer name for the limit; with both sent it wins, as in vLLM (max_tokens is deprecated)

@@ -1,0 +1,70 @@
+"""A colocated service's local distillation set-up (SpecService without HTTP): a replaced replica
+resumes its slot's versions, and record_topk reaches the recorders."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+
+import pytest
+
+from deployments.config import AppConfig
+from osd_serve.config import SamplingParams
+from osd_serve.service import SpecService
+from tests.conftest import llama, perturbed
+
+
+def test_a_replica_that_replaces_another_resumes_its_versions(tok, tmp_path):
+    """Local backend: a Ray Serve replica kept its versions under versions_dir/<replica id>; a restarted
+    replica (new id) started again from version 0, and a killed one's directory stayed on disk for
+    good. Now a replica holds a slot while it lives and the next one takes it over with its versions,
+    unless the draft changed. Admin answers name the replica that acted."""
+    target = llama(len(tok), seed=3)
+    cfg = AppConfig(distill={"versions_dir": str(tmp_path), "mode": "full"}, wandb={"mode": "disabled"})
+    draft = perturbed(target, 0.05)
+    make = lambda tag, d=draft: SpecService(cfg, models=(target, copy.deepcopy(d), tok), replica_tag=tag,  # noqa: E731
+                                            private_versions=True)
+    first, second = make("r1"), make("r2")
+    try:
+        assert asyncio.run(first.admin_update("default"))["replica"] == "r1"
+        assert asyncio.run(first.admin_experts())["replica"] == "r1"
+        assert first.distillers["default"].store.root == tmp_path / "replicas" / "slot-0" / "default"
+        assert second.distillers["default"].store.root == tmp_path / "replicas" / "slot-1" / "default"  # a live one's slot is not shared
+        dist = first.distillers["default"]
+        dist.store.publish(dist.trainer.serving_state(), {"reason": "as an update would"})
+        published = dist.store.versions
+        assert published == [0, 1]
+    finally:
+        first.close()
+    third = make("r3")  # takes slot-0 over: serves and distils on from its current version
+    try:
+        assert third.distillers["default"].store.versions == published
+        assert third.server.engines["default"].draft_version == published[-1]
+    finally:
+        third.close()
+    other = make("r4", perturbed(target, 0.07, seed=5))  # a redeploy with another draft: slot-0's versions are not its own
+    try:
+        assert other.distillers["default"].store.versions == [0] and other.server.engines["default"].draft_version == 0
+    finally:
+        other.close()
+        second.close()
+    assert sorted(p.name for p in (tmp_path / "replicas").iterdir()) == ["slot-0", "slot-1"]
+
+
+def test_record_topk_reaches_the_recorders(tok, tmp_path):
+    target = llama(len(tok), seed=3)
+    cfg = AppConfig(distill={"versions_dir": str(tmp_path), "record_topk": 8}, wandb={"mode": "disabled"})
+    svc = SpecService(cfg, models=(target, perturbed(target, 0.05), tok))
+    try:
+        out = asyncio.run(_collect(svc.stream("default", "def f(x):", SamplingParams(max_tokens=8, temperature=0))))
+        assert out and svc.server.engines["default"].recorder.cfg.topk == 8
+        recs = list(svc.distillers["default"].buffer.shard("default").records)
+        assert recs and all(r.topk_ids is not None and r.probs.shape[-1] == 8 for r in recs)
+    finally:
+        svc.close()
+    with pytest.raises(ValueError, match="record_topk"):
+        AppConfig(distill={"record_topk": -1})
+
+
+async def _collect(gen):
+    return [d async for d in gen]
