@@ -24,8 +24,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from osd_serve.protocol import (ChatRequest, CompletionRequest, RequestError, chunk_body, completion_body,
-                                engine_error, parse_request, sse, usage_chunk)
+from osd_serve.protocol import (ChatRequest, CompletionRequest, RequestError, UnknownExpert, chunk_body,
+                                completion_body, engine_error, parse_request, sse, usage_chunk)
 
 from osd_serve.config import short_repr
 
@@ -235,6 +235,8 @@ def make_app(backend, cfg: AppConfig) -> FastAPI:
         except ValueError as e:
             if isinstance(getattr(e, "cause", None), BaseException):  # a RayTaskError: raised in the replica, not bad input
                 raise engine_failed(e) from None
+            if isinstance(e, UnknownExpert):  # checked above, so the replica reached is on another config
+                raise e.not_loaded() from None
             err = engine_error(e)
             if chat and err.param == "prompt":  # the prompt rendered from the messages: chat's field is messages
                 err = RequestError(f"messages: the rendered {err}", "messages")

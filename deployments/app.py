@@ -64,6 +64,9 @@ class SpecServer:
             expert = await self.get_expert(serve.get_multiplexed_model_id() or payload["expert"])
             it = self.service.stream(expert, payload["prompt"], SamplingParams(**payload["params"])).__aiter__()
             first = await it.__anext__()
+        except UnknownExpert as e:  # its own key: the router, which knows the expert, answers a 503 (retry)
+            yield {"error": str(e), "unknown_expert": [e.expert, e.known]}
+            return
         except ValueError as e:  # sent as data: the router turns it into a 400 naming the field
             yield {"error": str(e)}
             return
@@ -204,6 +207,8 @@ class _HandleBackend:
         gen = self.handle.options(stream=True, multiplexed_model_id=expert).generate.remote(payload)
         try:
             async for d in gen:
+                if "unknown_expert" in d:
+                    raise UnknownExpert(*d["unknown_expert"])
                 if "error" in d:
                     raise ValueError(d["error"])
                 yield d

@@ -386,7 +386,7 @@ class DisaggBackend:
                 cause = getattr(e, "cause", None)  # a RayTaskError's: what the replica raised
                 lacks = e if isinstance(e, UnknownExpert) else cause
                 if isinstance(lacks, UnknownExpert):  # a DraftPool replica from before a redeploy
-                    raise UnknownExpert(lacks.expert, lacks.known) from None  # the client's 400 naming expert, as colocated
+                    raise UnknownExpert(lacks.expert, lacks.known) from None  # the API's 503 naming expert, as colocated
                 if isinstance(e, ValueError) and not isinstance(cause, BaseException):
                     raise RuntimeError(f"the request loop failed: {type(e).__name__}") from e  # never the client's 400
                 raise

@@ -296,6 +296,14 @@ class UnknownExpert(ValueError):
     def __reduce__(self):  # pickled across Ray with its own arguments, not the message (args)
         return UnknownExpert, (self.expert, self.known)
 
+    def not_loaded(self) -> "RequestError":
+        """The answer when the router knows the expert (it checked) and the replica it reached does not:
+        the two run different configs, a rolling redeploy in progress. The request is valid and a retry
+        reaches a replica that has it (or, once the redeploy is done, the router's own 400), so a 503."""
+        return RequestError(f"expert: {short_repr(self.expert)} is not loaded on the replica this request reached "
+                            f"(a redeploy in progress; it serves {self.known}); retry shortly", "expert", 503,
+                            "expert_not_loaded")
+
 
 class _NotJSON(ValueError):
     pass

@@ -191,16 +191,18 @@ def _unknown_on_replica() -> Exception:
 
 @pytest.mark.parametrize("wrapped", [True, False], ids=["through_ray", "in_process"])
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_draft_replica_lacking_the_expert_is_the_clients_400(tok, stream, wrapped):
-    """During a rolling redeploy an old DraftPool replica lacks an expert the new Router knows. Colocated
-    answers that with a 400 naming expert; disaggregated answered a 500 (its error came as a RayTaskError)."""
+def test_a_draft_replica_lacking_the_expert_is_a_503_to_retry(tok, stream, wrapped):
+    """During a rolling redeploy an old DraftPool replica lacks an expert the new Router knows. It answered
+    a 500 (its error came as a RayTaskError), then a 400 "unknown expert" for an expert the server's config
+    has: the request is valid, and a retry reaches a replica holding it."""
     backend, _, verifier = _backend(tok, CFG)
     _failing(backend.drafts, "propose", [_unknown_on_replica() if wrapped else _unknown_on_replica().cause])
     r = _serve(backend, BODY | {"stream": stream}, lambda: verifier.ends)
     err = r.json()["error"]
-    assert r.status_code == 400 and err["param"] == "expert", r.text
-    assert err["message"] == "expert: unknown expert 'default'; known: ['sql']"
-    assert "pid=" not in r.text
+    assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+    assert err["param"] == "expert" and err["code"] == "expert_not_loaded" and err["type"] == "server_error", r.text
+    assert err["message"].startswith("expert: 'default' is not loaded on the replica this request reached"), r.text
+    assert "['sql']" in err["message"] and "pid=" not in r.text
 
 
 def test_the_draft_pool_refuses_an_expert_it_lacks_as_unknown_expert():

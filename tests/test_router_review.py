@@ -132,9 +132,11 @@ def test_a_replicas_own_exception_is_a_500_not_its_traceback_as_a_400(monkeypatc
     assert "pid=" not in r.text and "10.0.0.7" not in r.text, r.text
 
 
-def test_an_unknown_expert_in_the_replica_is_sent_as_a_400_naming_it(monkeypatch):
+def test_an_unknown_expert_in_the_replica_is_sent_as_data_and_answered_503(monkeypatch):
     """SpecServer.generate looked its expert up outside the try that sends bad input back as data, so a
-    Router that knows an expert an older SpecServer replica lacks (a rolling redeploy) got an exception."""
+    Router that knows an expert an older SpecServer replica lacks (a rolling redeploy) got an exception.
+    Then it came as plain error data, a 400 "unknown expert" for an expert the server's config has: the
+    request is valid and a retry reaches a replica holding it, so it is sent as its own key, and a 503."""
     server = object.__new__(app.SpecServer.func_or_class)
     server.service = SimpleNamespace(experts=lambda: ["default"], close=lambda: None)
     monkeypatch.setattr(app.serve, "get_multiplexed_model_id", lambda: "sql")
@@ -147,7 +149,20 @@ def test_an_unknown_expert_in_the_replica_is_sent_as_a_400_naming_it(monkeypatch
     async def run():
         return [d async for d in server.generate({"expert": "sql", "prompt": "x", "params": {}})]
 
-    assert asyncio.run(run()) == [{"error": "expert: unknown expert 'sql'; known: ['default']"}]
+    sent = asyncio.run(run())
+    assert sent == [{"error": "expert: unknown expert 'sql'; known: ['default']", "unknown_expert": ["sql", ["default"]]}]
+
+    async def replica(payload):  # what the router receives from that replica
+        for d in sent:
+            yield d
+
+    r = _post(_app(monkeypatch, replica)[0], {"prompt": "select 1"})
+    err = r.json()["error"]
+    assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+    assert (err["param"], err["code"]) == ("expert", "expert_not_loaded"), r.text
+    assert "'sql' is not loaded on the replica" in err["message"] and "['default']" in err["message"], r.text
+    plain = _post(_app(monkeypatch, lambda payload: replica(payload))[0], {"prompt": "select 1", "expert": "nope"})
+    assert plain.status_code == 400 and plain.json()["error"]["param"] == "expert"  # unknown to the router: a 400
 
 
 def test_a_full_request_queue_is_a_503(monkeypatch):
