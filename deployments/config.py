@@ -106,6 +106,9 @@ class DistillConfig(_Strict):
     trigger_age_s: YamlFloat = Field(60.0, gt=0, allow_inf_nan=False)
     steps_per_update: int = Field(16, ge=1)
     lr: YamlFloat = Field(1e-3, gt=0, lt=1)
+    # An update stops taking steps this long after it began; what it learnt so far is guarded as any
+    # update's. A Ray Train job's gradient all-reduce that waits this long (a hung worker) fails it.
+    train_time_limit_s: YamlFloat = Field(600.0, gt=0, allow_inf_nan=False)
     # Record the target's distribution where the draft was rejected (the paper's choice), or everywhere.
     # mismatch measured as good for α at under a third of the bytes (benchmarks/OSD.md).
     keep: Literal["mismatch", "all"] = "mismatch"

@@ -9,7 +9,8 @@ publishes draft versions.
 
 Records live in the object store: the buffer actor puts them there (so it owns them, and a replica
 that dies does not take its records along) and holds only their refs and byte sizes. The byte bound, the size/age
-triggers and FIFO/reservoir eviction are the core ReplayBuffer's, applied to the refs.
+triggers and FIFO/reservoir eviction are the core ReplayBuffer's, applied to the refs. The Train job
+itself (its worker count and its TorchTrainer run) is deployments/train_job.py.
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ import json
 import logging
 import math
 import os
-import shutil
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -31,6 +30,8 @@ import ray
 
 from osd_serve.distill.guard import retire_guard_samples
 from osd_serve.distill.replay import Backoff, BufferConfig, ReplayBuffer
+
+from .train_job import idle_per_node, plan_workers, run_train_job  # noqa: F401  plan_workers: the actors' API
 
 logger = logging.getLogger("ray.serve")
 BUFFER_NAME, CONTROLLER_NAME, NAMESPACE = "osd-replay-buffer", "osd-distill-controller", "osd-serve"
@@ -108,107 +109,6 @@ class _ReplayBufferActor:
 # Not decorated in place: importable by their own names, the classes are pickled by reference. By value
 # (the name held the actor class), unpickling rewrote the class's methods here, with their own globals.
 ReplayBufferActor = ray.remote(num_cpus=0)(_ReplayBufferActor)
-
-
-def plan_workers(nodes: list[dict], serve_load: float, max_workers: int = 4, busy_load: float = 0.75,
-                 cpus_per_worker: float = 0.5) -> dict | None:
-    """How many Ray Train workers to launch now, on what. None: wait.
-
-    nodes: each live node's idle resources (``idle_per_node()``: what serving left idle). A worker
-    must fit on one node, so capacity is counted per node: two nodes with half a GPU free each hold
-    no GPU worker (summed, they would plan one that can never be placed, and the job would wait for
-    it forever). serve_load: the serving replicas' ongoing requests over their capacity, in [0, 1].
-    Idle GPUs are always worth using (serving holds the GPUs it needs through its own reservations);
-    CPUs only when serving is not busy, since on CPU the trainer and the engine compete for the same cores.
-    """
-    gpus = sum(math.floor(n.get("GPU", 0.0) + 1e-9) for n in nodes)
-    if gpus >= 1:
-        return {"num_workers": min(gpus, max_workers), "use_gpu": True}
-    if serve_load >= busy_load:
-        return None
-    cpus = sum(math.floor(n.get("CPU", 0.0) / cpus_per_worker + 1e-9) for n in nodes)
-    if cpus >= 1:
-        return {"num_workers": min(cpus, max_workers), "use_gpu": False, "cpus_per_worker": cpus_per_worker}
-    return None
-
-
-def idle_per_node() -> list[dict]:
-    """Each live node's available resources. Ray has this only as a DeveloperAPI in ray._private.state
-    (ray.util.tpu uses it the same way); ray.available_resources() sums over nodes."""
-    from ray._private.state import available_resources_per_node
-
-    return list(available_resources_per_node().values())
-
-
-def train_loop_per_worker(config: dict) -> None:
-    """One Ray Train worker: its share of the records, gradients all-reduced across workers."""
-    import ray.train
-    import ray.train.torch
-    import torch
-    import torch.distributed as dist
-    from safetensors.torch import load_file, save_file
-    from transformers import AutoModelForCausalLM
-
-    from osd_serve.distill.trainer import DistillTrainer, TrainConfig
-
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    device = ray.train.torch.get_device() if config["use_gpu"] else torch.device("cpu")
-    draft = AutoModelForCausalLM.from_pretrained(config["draft_path"]).to(device)
-    draft.load_state_dict(load_file(config["state_path"]), strict=False)
-    records = ray.get(config["record_refs"][rank::world])  # its share only: each fetch copies a record to this node
-
-    def all_reduce(params):
-        if world > 1:
-            for p in params:
-                if p.grad is not None:
-                    dist.all_reduce(p.grad)
-                    p.grad /= world
-
-    trainer = DistillTrainer(draft, TrainConfig(**config["train"]), grad_hook=all_reduce)
-    losses = trainer.train(records, steps=config["steps"])
-    metrics = {"steps": len(losses), "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None}
-    if rank == 0:
-        with tempfile.TemporaryDirectory() as d:
-            save_file({n: t.cpu() for n, t in trainer.serving_state().items()}, os.path.join(d, "draft.safetensors"))
-            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))
-    else:
-        ray.train.report(metrics)
-
-
-def _fail_fast(failure_config):
-    try:
-        return failure_config(controller_failure_limit=0)
-    except TypeError:  # Ray Train v1 (RAY_TRAIN_V2_ENABLED=0) has no such limit, and does not retry by default
-        return failure_config()
-
-
-def run_train_job(plan: dict, record_refs: list, draft_path: str, state_path: str, train_cfg: dict, steps: int,
-                  storage: str) -> tuple[dict, dict]:
-    """One Ray Train TorchTrainer run; returns the trained serving state (names of the draft) and rank
-    0's metrics (steps taken, first and last loss)."""
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-    from safetensors.torch import load_file
-
-    trainer = TorchTrainer(
-        train_loop_per_worker,
-        train_loop_config={"record_refs": record_refs, "draft_path": draft_path, "state_path": state_path,
-                           "train": train_cfg, "steps": steps, "use_gpu": plan["use_gpu"]},
-        scaling_config=ScalingConfig(num_workers=plan["num_workers"], use_gpu=plan["use_gpu"],
-                                     resources_per_worker=None if plan["use_gpu"] else {"CPU": plan["cpus_per_worker"]}),
-        # controller_failure_limit=0: Ray Train's default (-1) retried a worker group that could not start
-        # (the planned idle capacity taken by serving meanwhile) forever, and fit() never returned. Failed
-        # here, the job is re-planned after the controller's back-off.
-        run_config=RunConfig(storage_path=storage, name=(name := f"distill-{time.time_ns()}"),
-                             failure_config=_fail_fast(FailureConfig)),
-    )
-    try:
-        result = trainer.fit()
-        with result.checkpoint.as_directory() as d:
-            return load_file(str(Path(d) / "draft.safetensors")), dict(result.metrics or {})
-    finally:  # the state is returned (and published through the store) or the job failed: a full draft per run otherwise
-        shutil.rmtree(Path(storage) / name, ignore_errors=True)
 
 
 class _DistillController:
@@ -390,7 +290,7 @@ class _DistillController:
                                    expert, version, e)
         return {"expert": expert, "trigger": why, "plan": plan, "published": version is not None, "reason": reason,
                 "version": version, "candidate": verdict.candidate, "serving": verdict.serving, "time": t0,
-                "steps": metrics.get("steps"), "loss_first": metrics.get("loss_first"), "loss_last": metrics.get("loss_last"),
+                "steps": metrics.get("steps"), "time_limited": metrics.get("time_limited"), "loss_first": metrics.get("loss_first"), "loss_last": metrics.get("loss_last"),
                 "seconds": time.time() - t0}
 
 
@@ -458,7 +358,7 @@ def connect(cfg, app: str | None = None) -> tuple:
     buffer_cfg = {"max_bytes": d.buffer_mb << 20, "trigger_records": d.trigger_records, "trigger_age_s": d.trigger_age_s}
     pair = pair_of(cfg)
     buffer = ReplayBufferActor.options(name=buffer_name, **opts).remote(buffer_cfg)
-    train = {"mode": d.mode, "lr": d.lr, "steps_per_update": d.steps_per_update}
+    train = {"mode": d.mode, "lr": d.lr, "steps_per_update": d.steps_per_update, "time_limit_s": d.train_time_limit_s}
     args = (model_paths(cfg)[1], str(versions), train, d.steps_per_update, d.max_train_workers)
     extra = {"keep_versions": d.keep_versions, "buffer_cfg": buffer_cfg, "pair": pair}
     controller = DistillController.options(name=controller_name, **opts).remote(*args, buffer_name=buffer_name, **extra)

@@ -105,8 +105,9 @@ class SpecService:
             if private_versions:
                 root, self._slot = claim_slot(root.parent / "replicas")
             for name, eng in self.server.engines.items():
-                trainer = DistillTrainer(eng.draft, TrainConfig(mode=d.mode, lr=d.lr, steps_per_update=d.steps_per_update),
-                                         vocab=eng.vocab)
+                train = TrainConfig(mode=d.mode, lr=d.lr, steps_per_update=d.steps_per_update,
+                                    time_limit_s=d.train_time_limit_s)
+                trainer = DistillTrainer(eng.draft, train, vocab=eng.vocab)
                 buf = ReplayBuffer(BufferConfig(max_bytes=d.buffer_mb << 20, trigger_records=d.trigger_records,
                                                 trigger_age_s=d.trigger_age_s))
                 dist = OnlineDistiller(eng, trainer, buf, VersionStore(root / name, d.keep_versions), GuardConfig(),

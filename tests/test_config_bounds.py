@@ -59,6 +59,8 @@ def test_engine_config_bounds(field, bad, good):
     ({"batch_wait_timeout_s": 1.5}, "batch_wait_timeout_s"),
     ({"stall_timeout_s": 0}, "stall_timeout_s"),
     ({"distill": {"record_topk": -1}}, r"distill\.record_topk"),
+    ({"distill": {"train_time_limit_s": 0}}, r"distill\.train_time_limit_s"),
+    ({"distill": {"train_time_limit_s": ".inf"}}, r"distill\.train_time_limit_s"),
 ])
 def test_app_config_bounds_name_the_field(args, field):
     """The serve config's ranges and cross-field rules: each refused value names its field."""

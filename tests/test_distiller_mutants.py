@@ -295,10 +295,11 @@ def test_connect_gives_the_actors_the_config(monkeypatch):
     monkeypatch.setattr(dist, "ray", SimpleNamespace(get=lambda x: x))
     cfg = parse_config({"target": "org/target", "draft": "org/draft", "distill": {
         "backend": "ray_train", "buffer_mb": 3, "trigger_records": 5, "trigger_age_s": 7.5, "keep_versions": 2,
-        "max_train_workers": 6, "steps_per_update": 9, "lr": 0.01, "mode": "full", "versions_dir": "/vs"}})
+        "max_train_workers": 6, "steps_per_update": 9, "lr": 0.01, "mode": "full", "versions_dir": "/vs",
+        "train_time_limit_s": 45}})
     dist.connect(cfg, app="llama")
     buffer_cfg = {"max_bytes": 3 * 1024 * 1024, "trigger_records": 5, "trigger_age_s": 7.5}
-    args = ("org/draft", "/vs/llama", {"mode": "full", "lr": 0.01, "steps_per_update": 9}, 9, 6)  # the app's own versions
+    args = ("org/draft", "/vs/llama", {"mode": "full", "lr": 0.01, "steps_per_update": 9, "time_limit_s": 45.0}, 9, 6)  # the app's own versions
     # restarted if they die: replicas keep handles to them, and records and heartbeats to a dead one were lost silently
     opts = {"namespace": dist.NAMESPACE, "get_if_exists": True, "lifetime": "detached", "max_restarts": -1}
     names = dist.actor_names("llama")

@@ -132,7 +132,9 @@ def test_controller_trains_guards_and_publishes(cluster, gpus_busy, data, tmp_pa
     assert abs(scores[0] - scores[1]) > 1e-3  # the two are told apart
     buf = ReplayBufferActor.options(name=BUFFER_NAME, get_if_exists=True).remote(
         {"max_bytes": 1 << 30, "trigger_records": len(train) + len(held), "trigger_age_s": 3600})
-    ctl = DistillController.remote(path, str(tmp_path / "versions"), {"lr": 3e-3}, 40, max_workers=2, heldout=12)
+    # with a time limit (the serve config's default has one), so the 2 workers agree on it at every step
+    ctl = DistillController.remote(path, str(tmp_path / "versions"), {"lr": 3e-3, "time_limit_s": 600}, 40,
+                                   max_workers=2, heldout=12)
     for r in train + held:  # held last: the newest records are the guard's slice
         ray.get(buf.add.remote("default", r, r.nbytes))
     deadline = time.time() + 480  # a Ray Train run: placement group, 2 workers, checkpoint
@@ -146,6 +148,7 @@ def test_controller_trains_guards_and_publishes(cluster, gpus_busy, data, tmp_pa
     assert ev["published"], ev
     # rank 0's metrics reach the event (single-batch losses: first against last would be noise)
     assert ev["steps"] > 0 and all(math.isfinite(ev[k]) for k in ("loss_first", "loss_last")), ev
+    assert ev["steps"] == 40 and ev["time_limited"] is False, ev  # every step, within the limit
     assert ev["serving"]["expected_acceptance"] == pytest.approx(scores[1], abs=1e-5)  # guarded against version 1
     # the Train job (2 CPU workers, gradients all-reduced) raised held-out alpha-hat over the serving draft
     assert store.refresh() == 2 and ev["candidate"]["expected_acceptance"] > ev["serving"]["expected_acceptance"] + 0.02

@@ -35,8 +35,8 @@ def test_a_train_job_whose_workers_cannot_start_fails_instead_of_retrying_foreve
     seen = {}
 
     class Trainer:  # Ray Train's TorchTrainer, minus the cluster: it records the run config
-        def __init__(self, fn, train_loop_config, scaling_config, run_config):
-            seen["run_config"] = run_config
+        def __init__(self, fn, train_loop_config, scaling_config, run_config, torch_config):
+            seen["run_config"], seen["torch_config"] = run_config, torch_config
 
         def fit(self):
             (d := tmp_path / "ck").mkdir()
@@ -44,10 +44,12 @@ def test_a_train_job_whose_workers_cannot_start_fails_instead_of_retrying_foreve
             return types.SimpleNamespace(checkpoint=Checkpoint.from_directory(str(d)), metrics={"steps": 1})
 
     monkeypatch.setattr(rtt, "TorchTrainer", Trainer)
-    dist.run_train_job({"num_workers": 2, "use_gpu": True}, [], "d", "s", {}, 1, str(tmp_path))
+    dist.run_train_job({"num_workers": 2, "use_gpu": True}, [], "d", "s", {"time_limit_s": 90.5}, 1, str(tmp_path))
     policy = create_failure_policy(seen["run_config"].failure_config)
     decision = policy.make_decision(ControllerError(WorkerGroupStartupTimeoutError(2)))
     assert decision.value.upper() == "RAISE"
+    # a collective waiting past the job's time limit (a hung worker) fails it, not after torch's 30 minutes
+    assert seen["torch_config"].timeout_s == 91
 
 
 def test_a_restarted_controller_keeps_the_settings_of_the_last_redeploy(plain_ray, tmp_path, draft_dir):

@@ -53,11 +53,13 @@ def test_a_replica_that_replaces_another_resumes_its_versions(tok, tmp_path):
 
 def test_record_topk_reaches_the_recorders(tok, tmp_path):
     target = llama(len(tok), seed=3)
-    cfg = AppConfig(distill={"versions_dir": str(tmp_path), "record_topk": 8}, wandb={"mode": "disabled"})
+    cfg = AppConfig(distill={"versions_dir": str(tmp_path), "record_topk": 8, "train_time_limit_s": 45},
+                    wandb={"mode": "disabled"})
     svc = SpecService(cfg, models=(target, perturbed(target, 0.05), tok))
     try:
         out = asyncio.run(_collect(svc.stream("default", "def f(x):", SamplingParams(max_tokens=8, temperature=0))))
         assert out and svc.server.engines["default"].recorder.cfg.topk == 8
+        assert svc.distillers["default"].trainer.cfg.time_limit_s == 45  # the local backend's updates too
         recs = list(svc.distillers["default"].buffer.shard("default").records)
         assert recs and all(r.topk_ids is not None and r.probs.shape[-1] == 8 for r in recs)
     finally:

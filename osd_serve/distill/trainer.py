@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import math
 import random
+import time
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,9 @@ class TrainConfig:
     recent_window: int = 64
     max_grad_norm: float = 1.0
     seed: int = 0
+    # > 0: an update stops taking steps this many seconds after it began (the steps taken go to the guard
+    # as any update's). A Ray Train job's workers stop together (any_rank); 0: no limit.
+    time_limit_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.mode not in ("full", "lora"):
@@ -74,6 +78,8 @@ class TrainConfig:
         # weights again); NaN made every weight NaN. inf is no clipping.
         if not self.max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be > 0 (inf: no clipping), got {self.max_grad_norm}")
+        if not (math.isfinite(self.time_limit_s) and self.time_limit_s >= 0):
+            raise ValueError(f"time_limit_s must be >= 0 and finite (0: no limit), got {self.time_limit_s}")
         if self.recent_window < 1:  # records[-0:] is every record, records[-(-n):] all but the oldest n
             raise ValueError(f"recent_window must be >= 1 (recent_fraction 0: no recency), got {self.recent_window}")
 
@@ -83,11 +89,25 @@ def _student_positions(rec: ReplayRecord) -> torch.Tensor:
     return len(rec.prompt_ids) - 1 + rec.positions
 
 
+def any_rank(flag: bool, device=None) -> bool:
+    """True on every rank of the default process group if it is True on any (one all-reduce of a flag)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    t = torch.tensor([float(flag)], device=device)  # [1]
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
 class DistillTrainer:
-    def __init__(self, draft, cfg: TrainConfig | None = None, teacher=None, vocab: int | None = None, grad_hook=None):
+    def __init__(self, draft, cfg: TrainConfig | None = None, teacher=None, vocab: int | None = None, grad_hook=None,
+                 agree=None):
         """grad_hook(params), if given, runs after backward and before clipping: data-parallel
-        workers all-reduce their gradients there (deployments/distiller.py)."""
-        self.grad_hook = grad_hook
+        workers all-reduce their gradients there (deployments/train_job.py). agree(late) -> bool, if
+        given, turns each step's "past time_limit_s here" into one decision for all of them (any_rank):
+        a worker that stopped alone left the others waiting in the all-reduce until it timed out."""
+        self.grad_hook, self.agree = grad_hook, agree
         self.cfg = cfg or TrainConfig()
         if self.cfg.student_fraction > 0 and teacher is None:
             raise ValueError("student_fraction > 0 needs the teacher (target) model to score samples")
@@ -105,6 +125,7 @@ class DistillTrainer:
         self._published = self._trainable_state()
         self.optimizer = self._new_optimizer()
         self.skipped_steps = 0  # steps not taken for a non-finite gradient
+        self.time_limited = False  # the last train() stopped at time_limit_s
 
     def _build_student(self, state: dict | None):
         """A private copy of the draft (with ``state`` loaded), wrapped in a fresh LoRA in lora mode."""
@@ -121,7 +142,7 @@ class DistillTrainer:
 
             lcfg = LoraConfig(r=self.cfg.lora_r, lora_alpha=self.cfg.lora_alpha, target_modules="all-linear")
             # peft draws lora_A from the global RNG: seeded here, every data-parallel rank (each builds its
-            # own, deployments/distiller.py) starts from the same adapter whatever else drew before,
+            # own, deployments/train_job.py) starts from the same adapter whatever else drew before,
             # which averaging their gradients assumes; and the caller's RNG stream is left as it was.
             with torch.random.fork_rng():
                 torch.manual_seed(self.cfg.seed)
@@ -216,8 +237,14 @@ class DistillTrainer:
         if not records:
             return []
         steps = steps or self.cfg.steps_per_update
-        out = []
+        out, t0, limit = [], time.monotonic(), self.cfg.time_limit_s
+        self.time_limited = False
         for _ in tqdm(range(steps), desc="distil", unit="step", disable=not progress, leave=False):
+            if limit:  # checked by every worker at every step, so a collective agree() pairs up across them
+                late = time.monotonic() - t0 > limit
+                if self.agree(late) if self.agree is not None else late:
+                    self.time_limited = True
+                    break
             batch = self._minibatch(records)
             loss = self.batch_loss(batch)
             self.optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,118 @@
+"""The distillation job the controller (deployments/distiller.py) runs: how many Ray Train workers
+the idle capacity holds, and one TorchTrainer run over the buffer's records, gradients all-reduced
+across its workers, returning the trained draft state."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+
+def plan_workers(nodes: list[dict], serve_load: float, max_workers: int = 4, busy_load: float = 0.75,
+                 cpus_per_worker: float = 0.5) -> dict | None:
+    """How many Ray Train workers to launch now, on what. None: wait.
+
+    nodes: each live node's idle resources (``idle_per_node()``: what serving left idle). A worker
+    must fit on one node, so capacity is counted per node: two nodes with half a GPU free each hold
+    no GPU worker (summed, they would plan one that can never be placed, and the job would wait for
+    it forever). serve_load: the serving replicas' ongoing requests over their capacity, in [0, 1].
+    Idle GPUs are always worth using (serving holds the GPUs it needs through its own reservations);
+    CPUs only when serving is not busy, since on CPU the trainer and the engine compete for the same cores.
+    """
+    gpus = sum(math.floor(n.get("GPU", 0.0) + 1e-9) for n in nodes)
+    if gpus >= 1:
+        return {"num_workers": min(gpus, max_workers), "use_gpu": True}
+    if serve_load >= busy_load:
+        return None
+    cpus = sum(math.floor(n.get("CPU", 0.0) / cpus_per_worker + 1e-9) for n in nodes)
+    if cpus >= 1:
+        return {"num_workers": min(cpus, max_workers), "use_gpu": False, "cpus_per_worker": cpus_per_worker}
+    return None
+
+
+def idle_per_node() -> list[dict]:
+    """Each live node's available resources. Ray has this only as a DeveloperAPI in ray._private.state
+    (ray.util.tpu uses it the same way); ray.available_resources() sums over nodes."""
+    from ray._private.state import available_resources_per_node
+
+    return list(available_resources_per_node().values())
+
+
+def train_loop_per_worker(config: dict) -> None:
+    """One Ray Train worker: its share of the records, gradients all-reduced across workers."""
+    import ray.train
+    import ray.train.torch
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from osd_serve.distill.trainer import DistillTrainer, TrainConfig, any_rank
+
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    device = ray.train.torch.get_device() if config["use_gpu"] else torch.device("cpu")
+    draft = AutoModelForCausalLM.from_pretrained(config["draft_path"]).to(device)
+    draft.load_state_dict(load_file(config["state_path"]), strict=False)
+    records = ray.get(config["record_refs"][rank::world])  # its share only: each fetch copies a record to this node
+
+    def all_reduce(params):
+        if world > 1:
+            for p in params:
+                if p.grad is not None:
+                    dist.all_reduce(p.grad)
+                    p.grad /= world
+
+    trainer = DistillTrainer(draft, TrainConfig(**config["train"]), grad_hook=all_reduce,
+                             agree=lambda late: any_rank(late, device))
+    losses = trainer.train(records, steps=config["steps"])
+    metrics = {"steps": len(losses), "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
+               "time_limited": trainer.time_limited}
+    if rank == 0:
+        with tempfile.TemporaryDirectory() as d:
+            save_file({n: t.cpu() for n, t in trainer.serving_state().items()}, os.path.join(d, "draft.safetensors"))
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))
+    else:
+        ray.train.report(metrics)
+
+
+def _fail_fast(failure_config):
+    try:
+        return failure_config(controller_failure_limit=0)
+    except TypeError:  # Ray Train v1 (RAY_TRAIN_V2_ENABLED=0) has no such limit, and does not retry by default
+        return failure_config()
+
+
+def run_train_job(plan: dict, record_refs: list, draft_path: str, state_path: str, train_cfg: dict, steps: int,
+                  storage: str) -> tuple[dict, dict]:
+    """One Ray Train TorchTrainer run; returns the trained serving state (names of the draft) and rank
+    0's metrics (steps taken, first and last loss)."""
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+    from safetensors.torch import load_file
+
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={"record_refs": record_refs, "draft_path": draft_path, "state_path": state_path,
+                           "train": train_cfg, "steps": steps, "use_gpu": plan["use_gpu"]},
+        # A collective that waits this long (a worker hung, or gone without Ray noticing) fails the job:
+        # torch's default is 30 minutes, in which the controller trains nothing else.
+        torch_config=TorchConfig(timeout_s=math.ceil(train_cfg.get("time_limit_s") or 1800)),
+        scaling_config=ScalingConfig(num_workers=plan["num_workers"], use_gpu=plan["use_gpu"],
+                                     resources_per_worker=None if plan["use_gpu"] else {"CPU": plan["cpus_per_worker"]}),
+        # controller_failure_limit=0: Ray Train's default (-1) retried a worker group that could not start
+        # (the planned idle capacity taken by serving meanwhile) forever, and fit() never returned. Failed
+        # here, the job is re-planned after the controller's back-off.
+        run_config=RunConfig(storage_path=storage, name=(name := f"distill-{time.time_ns()}"),
+                             failure_config=_fail_fast(FailureConfig)),
+    )
+    try:
+        result = trainer.fit()
+        with result.checkpoint.as_directory() as d:
+            return load_file(str(Path(d) / "draft.safetensors")), dict(result.metrics or {})
+    finally:  # the state is returned (and published through the store) or the job failed: a full draft per run otherwise
+        shutil.rmtree(Path(storage) / name, ignore_errors=True)

@@ -1,0 +1,114 @@
+"""An update's time limit (distill.train_time_limit_s): it stops taking steps once the limit has passed,
+and in a data-parallel Ray Train job every worker stops at the same step. Without a limit a job ran as
+long as its steps took, and a worker that stopped alone would leave the others in the all-reduce."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from osd_serve.distill import trainer as trainer_mod
+from osd_serve.distill.trainer import DistillTrainer, TrainConfig, any_rank
+from tests.conftest import llama
+from tests.test_trainer_precision import V, _records
+
+
+class _Clock:
+    """time.monotonic for the trainer: ``step`` seconds pass at each reading."""
+
+    def __init__(self, step: float):
+        self.now, self.step = 0.0, step
+
+    def __call__(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+def _trainer(limit: float, agree=None, grad_hook=None, seed: int = 0) -> tuple[DistillTrainer, list]:
+    target = llama(V, seed=0)
+    cfg = TrainConfig(mode="full", lr=1e-3, batch_size=2, time_limit_s=limit)
+    return DistillTrainer(copy.deepcopy(target), cfg, vocab=V, agree=agree, grad_hook=grad_hook), _records(target, seed=seed)
+
+
+def test_an_update_stops_taking_steps_at_its_time_limit(monkeypatch):
+    monkeypatch.setattr(trainer_mod, "time", SimpleNamespace(monotonic=_Clock(1.0)))  # the start reads 1, each step's check 1 more
+    tr, recs = _trainer(2.5)
+    losses = tr.train(recs, steps=10)
+    assert len(losses) == 2 and tr.time_limited  # 1 and 2 s into it: a step each; 3 s: over
+    tr.cfg.time_limit_s = 0.0  # none: every step, and the flag is the last update's
+    assert len(tr.train(recs, steps=10)) == 10 and not tr.time_limited
+
+
+def test_the_stop_is_what_the_workers_agree_not_this_ones_clock(monkeypatch):
+    """agree() gets this worker's "late" at every step and its answer decides: another worker being late
+    stops this one too, at the same step."""
+    monkeypatch.setattr(trainer_mod, "time", SimpleNamespace(monotonic=_Clock(0.0)))  # this worker is never late
+    asked = []
+
+    def agree(late: bool) -> bool:
+        asked.append(late)
+        return len(asked) == 4  # another worker is late at the fourth check
+
+    tr, recs = _trainer(5.0, agree=agree)
+    assert len(tr.train(recs, steps=10)) == 3 and tr.time_limited
+    assert asked == [False] * 4
+    asked.clear()
+    tr.cfg.time_limit_s = 0.0
+    tr.train(recs, steps=2)
+    assert asked == []  # no limit, no collective: the workers all skip it alike
+    with pytest.raises(ValueError, match="time_limit_s"):
+        TrainConfig(time_limit_s=float("nan"))
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    """One of two gloo ranks, each training its own shard with gradients all-reduced, as a Ray Train
+    worker does; rank 0's clock runs out after 3 steps, rank 1's never."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        trainer_mod.time = SimpleNamespace(monotonic=_Clock(1.0 if rank == 0 else 0.0))  # this process's own module
+
+        def all_reduce(params):
+            for p in params:
+                if p.grad is not None:
+                    dist.all_reduce(p.grad)
+                    p.grad /= 2
+
+        tr, recs = _trainer(3.5, agree=any_rank, grad_hook=all_reduce, seed=rank)
+        losses = tr.train(recs, steps=10)
+        state = tr.serving_state()
+        total = torch.stack([t.float().sum() for t in state.values()]).sum()
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump({"steps": len(losses), "limited": tr.time_limited, "weights": total.item()}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_data_parallel_workers_stop_at_the_same_step(tmp_path):
+    """Through a real gloo group: a worker that decided alone left the other in the gradient all-reduce
+    (a hang until the collective timed out, a failed job after it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.start_processes(_worker, args=(port, str(tmp_path)), nprocs=2, join=False, start_method="spawn")
+    deadline = time.monotonic() + 180
+    while not ctx.join(timeout=2):  # a rank that raised raises here
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("the two workers did not finish: one waits in a collective the other left")
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [g["steps"] for g in got] == [3, 3] and all(g["limited"] for g in got), got
+    assert got[0]["weights"] == pytest.approx(got[1]["weights"], rel=1e-6)  # one model: the same steps all-reduced
