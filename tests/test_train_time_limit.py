@@ -112,3 +112,28 @@ def test_two_data_parallel_workers_stop_at_the_same_step(tmp_path):
     got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [g["steps"] for g in got] == [3, 3] and all(g["limited"] for g in got), got
     assert got[0]["weights"] == pytest.approx(got[1]["weights"], rel=1e-6)  # one model: the same steps all-reduced
+
+
+def test_a_local_update_stopped_at_its_limit_is_guarded_and_says_so(tok, tmp_path, monkeypatch, caplog):
+    """The colocated backend's updates (a thread beside the engine) have the same limit: the steps taken
+    are guarded and may publish, and the result and the log say the update was cut."""
+    from osd_serve.config import EngineConfig, SamplingParams
+    from osd_serve.distill.guard import GuardConfig
+    from osd_serve.distill.online import OnlineDistiller
+    from osd_serve.distill.replay import BufferConfig, ReplayBuffer
+    from osd_serve.distill.versions import VersionStore
+    from osd_serve.engine import SpecEngine
+    from tests.conftest import perturbed
+
+    target = llama(len(tok), seed=0)
+    eng = SpecEngine(target, perturbed(target, 0.2), tok, EngineConfig(max_batch_size=8))
+    trainer = DistillTrainer(eng.draft, TrainConfig(mode="full", lr=3e-3, steps_per_update=16, time_limit_s=4.5))
+    dist = OnlineDistiller(eng, trainer, ReplayBuffer(BufferConfig(trigger_records=10_000)), VersionStore(tmp_path),
+                           GuardConfig(tolerance=1.0))
+    prompts = [[5 + i, 9, 11 + i, 7] for i in range(12)]
+    eng.generate(prompts, SamplingParams(max_tokens=12, num_speculative_tokens=3))  # recorded, not yet due
+    monkeypatch.setattr(trainer_mod, "time", SimpleNamespace(monotonic=_Clock(1.0)))
+    with caplog.at_level("WARNING", logger="osd_serve.distill.online"):
+        res = dist.update("default")
+    assert res.time_limited and len(res.losses) == 4 and res.published, res
+    assert "stopped at its time limit (4.5 s) after 4 steps" in caplog.text

@@ -37,6 +37,7 @@ class UpdateResult:
     candidate: dict = field(default_factory=dict)
     serving: dict = field(default_factory=dict)
     seconds: float = 0.0
+    time_limited: bool = False  # stopped taking steps at the trainer's time_limit_s
 
 
 class OnlineDistiller:
@@ -123,6 +124,9 @@ class OnlineDistiller:
         self.training.set()
         try:
             losses = self.trainer.train(train)
+            if self.trainer.time_limited:  # a draft too big for this device's steps, or a device shared with serving
+                logger.warning("distill %s: the update stopped at its time limit (%g s) after %d steps",
+                               expert, self.trainer.cfg.time_limit_s, len(losses))
             state = self.trainer.serving_state()
             # Scored as it would serve: the published state in the serving draft's dtype. The student
             # itself (float32 masters under a bfloat16 draft) moved the guard's alpha by the dtype alone,
@@ -149,7 +153,7 @@ class OnlineDistiller:
         finally:
             self.training.clear()
         res = UpdateResult(expert, trigger, verdict.publish, verdict.reason, version, len(train), len(heldout), losses,
-                           verdict.candidate, verdict.serving, time.perf_counter() - t0)
+                           verdict.candidate, verdict.serving, time.perf_counter() - t0, self.trainer.time_limited)
         self._done(res)
         return res
 
