@@ -270,6 +270,9 @@ class _DistillController:
         state_path = str(store.path(base) / "draft.safetensors")
         state, metrics = run_train_job(plan, train_refs, draft_path, state_path, cfg["train_cfg"], cfg["steps"],
                                        str(versions_dir / "ray_train"))
+        if metrics.get("time_limited"):
+            logger.warning("distill controller: %s: the job stopped at its time limit after %s steps", expert,
+                           metrics.get("steps"))
         candidate = AutoModelForCausalLM.from_pretrained(draft_path)
         candidate.load_state_dict(state, strict=False)
         vocab = serving.get_output_embeddings().weight.shape[0]

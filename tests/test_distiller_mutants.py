@@ -481,3 +481,17 @@ def test_a_published_job_whose_retire_fails_is_not_trained_again(plain_ray, monk
     assert VersionStore(tmp_path / "versions" / "default").versions == [0, 1]
     assert [e.get("published") for e in ctrl.history()] == [True] and len(trains) == 1
     assert plain_ray.due() == {}
+
+
+def test_a_job_cut_at_its_time_limit_is_in_its_event_and_the_log(plain_ray, monkeypatch, tmp_path, draft_dir, caplog):
+    ctrl, trains, checks = _controller(plain_ray, monkeypatch, tmp_path, draft_dir)
+    ran = dist.run_train_job
+    monkeypatch.setattr(dist, "run_train_job", lambda *a: (ran(*a)[0], {"steps": 2, "time_limited": True}))
+    _fill(plain_ray, 12, heldout=4)
+    dist.logger.addHandler(caplog.handler)  # Ray's "ray.serve" logger does not propagate to the root's
+    try:
+        event = ctrl._update("default", "size", {"num_workers": 1, "use_gpu": False})
+    finally:
+        dist.logger.removeHandler(caplog.handler)
+    assert event["time_limited"] is True and event["steps"] == 2 and checks[0].steps == 2 and event["published"]
+    assert "default: the job stopped at its time limit after 2 steps" in caplog.text
