@@ -199,7 +199,6 @@ def test_readiness_reads_the_controllers_replica_count_one_call_at_a_time(monkey
     shared threads: with the controller slow, each probe left a blocked thread behind, the disaggregated
     router's prompt encoding starved (its completions hung) and every router read as down at once."""
     pytest.importorskip("ray.serve")
-    import re
     import threading
     from types import SimpleNamespace
 
@@ -219,10 +218,16 @@ def test_readiness_reads_the_controllers_replica_count_one_call_at_a_time(monkey
         gate.wait(30)  # bounded: a failing assertion leaves no thread blocked for the rest of the run
         return now["status"]
 
+    # Readiness's clock is a fake one, stepped by the test: an answer's age is what the test says, not
+    # what a loaded machine's scheduling makes it. REFRESH_S is also how long (real time) a check waits
+    # for a refresh: long where the controller answers, so each refresh lands however slow the thread
+    # is to run; short only where the controller is blocked, where the wait times out whatever the timing.
+    clock = [1000.0]
     monkeypatch.setattr(app.serve, "get_replica_context", lambda: SimpleNamespace(app_name="osd"))
     monkeypatch.setattr(app.serve, "status", serve_status)
-    monkeypatch.setattr(app.Readiness, "REFRESH_S", 0.2)
-    monkeypatch.setattr(app.Readiness, "GRACE_S", 1.0)
+    monkeypatch.setattr(app, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(app.Readiness, "REFRESH_S", 5.0)
+    monkeypatch.setattr(app.Readiness, "GRACE_S", 30.0)
     failed = (DeploymentStatus.DEPLOY_FAILED, "replica failed to start: Traceback ... /home/u/models/secret", {"STARTING": 1})
     healthy = (DeploymentStatus.HEALTHY, "", {"RUNNING": 2})
 
@@ -234,14 +239,15 @@ def test_readiness_reads_the_controllers_replica_count_one_call_at_a_time(monkey
         now["status"] = status(SpecServer=healthy)
         n = len(calls)
         for _ in range(10):  # within REFRESH_S of an answer: that answer, no new call
+            clock[0] += 0.25
             with pytest.raises(RuntimeError, match="DEPLOY_FAILED"):
                 await r.check()
         assert len(calls) == n
-        await asyncio.sleep(0.25)
+        clock[0] += 3  # 5.5 s after the answer: past REFRESH_S
         assert await r.check() is None  # a stale answer is refreshed, and this probe sees the new one
         assert len(calls) == n + 1
         now["status"] = status(SpecServer=(DeploymentStatus.UNHEALTHY, "", {}))
-        await asyncio.sleep(1.1)  # probes further apart than GRACE_S, the controller fine: no warning
+        clock[0] += 31  # probes further apart than GRACE_S, the controller fine: no warning
         with pytest.raises(RuntimeError, match=r"^SpecServer has no running replica \(UNHEALTHY; `serve status` says why\)$"):
             await r.check()
 
@@ -265,21 +271,26 @@ def test_readiness_reads_the_controllers_replica_count_one_call_at_a_time(monkey
             await r.check()
         now["status"] = status(DraftPool=(DeploymentStatus.HEALTHY, "", {"RUNNING": 1}),
                                Verifier=(DeploymentStatus.UPDATING, "", {"STARTING": 1, "RUNNING": 1}))
-        await asyncio.sleep(0.25)
+        clock[0] += 6
         assert await r.check() is None
         gate.clear()  # the controller stops answering
-        await asyncio.sleep(0.25)
+        monkeypatch.setattr(app.Readiness, "REFRESH_S", 0.1)  # each probe's wait times out: no answer can come
+        clock[0] += 6
         n = len(calls)
         answers = await asyncio.gather(*(r.check() for _ in range(20)))  # a burst of probes, the answer stale
         assert answers == [None] * 20  # the last answer stands
+        for _ in range(500):  # until the pool's thread has taken the call (no sleep of a guessed length)
+            if len(calls) > n:
+                break
+            await asyncio.sleep(0.01)
         assert len(calls) == n + 1 and r._pool._work_queue.qsize() == 0  # one call outstanding, none queued
-        await asyncio.sleep(1.0)
+        clock[0] += 31
         # past GRACE_S: still the last answer (serving goes on without the controller), with a warning
-        assert re.fullmatch(r"the Serve controller has not answered for \d+ s", await r.check())
+        assert await r.check() == "the Serve controller has not answered for 37 s"
+        monkeypatch.setattr(app.Readiness, "REFRESH_S", 5.0)  # the answer comes: this check waits for it
         gate.set()
-        await asyncio.sleep(0.05)
         assert await r.check() is None
-        assert set(calls) == {"osd-readiness_0"}  # its own thread, never the replica's shared pool
+        assert len(calls) == n + 1 and set(calls) == {"osd-readiness_0"}  # its own thread, never the replica's shared pool
 
     asyncio.run(slow_controller())
 
