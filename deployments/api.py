@@ -66,6 +66,8 @@ def admin_error(e: Exception, param: str | None) -> RequestError:
     addresses, paths): the answer gives the cause's own message."""
     cause = getattr(e, "cause", None)
     e = cause if isinstance(cause, Exception) else e
+    if isinstance(e, BackPressureError):  # the engine replica's queue is full: Serve's plain-text 503 otherwise
+        return backend_failed(e)
     if not isinstance(e, (KeyError, ValueError)):  # the action itself failed (an update out of memory)
         logger.error("an admin action failed: %r", e, exc_info=e)
         return RequestError(f"the action failed: {type(e).__name__}: {e}", None, 500)
@@ -299,12 +301,18 @@ def make_app(backend, cfg: AppConfig) -> FastAPI:
 
     @app.get("/admin/experts")
     async def admin_experts():
-        return await backend.admin_experts()
+        try:
+            return await backend.admin_experts()
+        except BackPressureError as e:  # a full queue: /v1's 503 with Retry-After, not Serve's plain text
+            raise backend_failed(e) from None
 
     @app.get("/admin/metrics")
     async def admin_metrics():
         """The telemetry rows also sent to W&B (acceptance per expert and position, latency, versions)."""
-        return await backend.admin_metrics()
+        try:
+            return await backend.admin_metrics()
+        except BackPressureError as e:
+            raise backend_failed(e) from None
 
     @app.post("/admin/experts/{expert}/rollback")
     async def admin_rollback(expert: str, to: int | None = None):

@@ -102,6 +102,26 @@ def test_an_unexpected_failure_is_a_500_in_openai_shape(client):
     assert "replica is gone" not in r.text  # the type, not the message: a Ray error's str() is a remote traceback
 
 
+@pytest.mark.parametrize("method,path", [("get", "/admin/experts"), ("get", "/admin/metrics"),
+                                         ("post", "/admin/experts/default/rollback"),
+                                         ("post", "/admin/experts/default/update")])
+def test_an_admin_call_refused_by_a_full_queue_is_a_503_to_retry(backend, method, path):
+    """The engine replica's queue full (Serve's max_queued_requests): the reads were Serve's plain-text 503
+    without Retry-After, the actions a 500 "the action failed" with a logged traceback; /v1's answer is a
+    503 in OpenAI's shape with Retry-After."""
+    from ray.serve.exceptions import BackPressureError
+
+    async def full(*args):
+        raise BackPressureError(num_queued_requests=1, max_queued_requests=1)
+
+    for op in ("admin_experts", "admin_metrics", "admin_rollback", "admin_update"):
+        setattr(backend, op, full)
+    cfg = AppConfig(wandb={"mode": "disabled"}, api_key="sk-test", admin_key="admin-test")
+    r = getattr(TestClient(make_app(backend, cfg)), method)(path, headers=ADMIN)  # raises what no handler answered
+    assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+    assert r.json()["error"]["type"] == "server_error" and "capacity" in r.json()["error"]["message"]
+
+
 @pytest.mark.parametrize("prompt,want", [(["x"], "x"), ([[5, 6]], [5, 6])])
 def test_a_one_prompt_batch_is_that_prompt(client, backend, prompt, want):
     """OpenAI's prompt may be a list of prompts; LangChain's OpenAI LLM sends one in a list. One of
