@@ -329,6 +329,15 @@ class SpecEngine:
         with self._swap_lock:
             self._pending_swap = (state, version)
 
+    @property
+    def next_draft_version(self) -> int:
+        """The version the next step drafts with: a swap published meanwhile (applied at that step's
+        start), else the current one. An idle engine takes no step, so draft_version alone stayed on the
+        old version after a rollback or an update until traffic came."""
+        with self._swap_lock:
+            pending = self._pending_swap
+        return pending[1] if pending is not None else self.draft_version
+
     def _apply_swap(self) -> None:
         with self._swap_lock:
             pending, self._pending_swap = self._pending_swap, None

@@ -169,7 +169,7 @@ class SpecService:
         out = {}
         for name, eng in self.server.engines.items():
             dist = self.distillers.get(name)
-            out[name] = {"serving_version": eng.draft_version, "running": len(eng.running), "waiting": len(eng.waiting),
+            out[name] = {"serving_version": eng.next_draft_version, "running": len(eng.running), "waiting": len(eng.waiting),
                          "finished": finish_counts(eng.finished),
                          "versions": dist.store.versions if dist else self._watched_versions(name),
                          "updates": dist.n_updates if dist else 0,

@@ -1,5 +1,5 @@
 """A colocated service's local distillation set-up (SpecService without HTTP): a replaced replica
-resumes its slot's versions, and record_topk reaches the recorders."""
+resumes its slot's versions, record_topk reaches the recorders, and /admin/experts shows a swap not yet applied."""
 
 from __future__ import annotations
 
@@ -70,3 +70,23 @@ def test_record_topk_reaches_the_recorders(tok, tmp_path):
 
 async def _collect(gen):
     return [d async for d in gen]
+
+
+def test_admin_experts_shows_a_rollback_on_an_idle_replica(tok, tmp_path):
+    """A swap applies at the next engine step: an idle replica's /admin/experts kept the old
+    serving_version after a rollback (whose own answer gave the new one) until traffic came."""
+    target = llama(len(tok), seed=3)
+    cfg = AppConfig(distill={"versions_dir": str(tmp_path), "mode": "full"}, wandb={"mode": "disabled"})
+    svc = SpecService(cfg, models=(target, perturbed(target, 0.05), tok))
+    try:
+        eng, dist = svc.server.engines["default"], svc.distillers["default"]
+        state = dist.trainer.serving_state()
+        version = dist.store.publish(state, {"reason": "as an update would"})
+        eng.swap_draft(state, version)
+        assert asyncio.run(svc.admin_experts())["experts"]["default"]["serving_version"] == version == 1
+        assert asyncio.run(svc.admin_rollback("default", None))["serving_version"] == 0
+        assert asyncio.run(svc.admin_experts())["experts"]["default"]["serving_version"] == 0  # no step between
+        asyncio.run(_collect(svc.stream("default", "x", SamplingParams(max_tokens=2, temperature=0))))
+        assert eng.draft_version == 0 and eng.next_draft_version == 0
+    finally:
+        svc.close()
