@@ -236,10 +236,13 @@ class Telemetry:
             if lat:
                 row["latency_p50_s"], row["latency_p99_s"] = _percentile(lat, 0.5), _percentile(lat, 0.99)
             # One row per event, before the window's row: merged into one row, a rollback to 0 and a
-            # publish of 2 in the same window logged only version 2.
+            # publish of 2 in the same window logged only version 2. A row with nothing but its time (an
+            # idle window: every log_every_s, and each /admin/metrics call) is not kept: such rows pushed
+            # the last real ones out of the bounded history within hours, and were empty W&B steps.
             rows = [{"time": ev["time"]} | {f"{k}/{ev['expert']}": v for k, v in ev.items()
                                            if k not in ("expert", "time") and _finite(v)}
                     for ev in self._events] + [row]
+            rows = [r for r in rows if len(r) > 1]
             self._win.clear()
             self._pos.clear()
             self._lat.clear()

@@ -56,6 +56,7 @@ def test_no_directory_or_no_wandb_turns_wandb_off_not_serving(monkeypatch, tmp_p
     (tmp_path / "file").write_text("")
     with pytest.warns(UserWarning, match="cannot create its directory"):
         t = Telemetry("offline", directory=str(tmp_path / "file" / "wandb"), log_every_s=0.0)
+    t.on_event("default", version=0)
     assert t.run is None and t.maybe_log(force=True) is not None and len(t.recent()) == 1
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
     monkeypatch.delenv("WANDB_MODE", raising=False)
@@ -72,7 +73,7 @@ def test_history_is_bounded():
         t.on_event("default", version=i)
         t.maybe_log(force=True)
     rows = t.recent()
-    assert len(rows) == telemetry.HISTORY_ROWS and rows[-2]["version/default"] == telemetry.HISTORY_ROWS + 99
+    assert len(rows) == telemetry.HISTORY_ROWS and rows[-1]["version/default"] == telemetry.HISTORY_ROWS + 99
     assert rows[0]["time"] <= time.time()
 
 
@@ -84,7 +85,21 @@ def test_every_event_of_a_window_is_logged():
     t.on_event("sql", version=2, published=1)
     t.maybe_log(force=True)
     rows = t.recent()
-    assert [r.get("version/sql") for r in rows] == [0, 2, None] and rows[0]["rollback/sql"] == 1
+    assert [r.get("version/sql") for r in rows] == [0, 2] and rows[0]["rollback/sql"] == 1
+
+
+def test_an_idle_window_adds_no_row():
+    """Every window closed a row, data or none: an idle replica added one every log_every_s, and each
+    /admin/metrics call one more, so within hours the bounded history held only {"time": ...} rows
+    and the last acceptance and latency rows were gone (and W&B got an empty step each time)."""
+    t = Telemetry("disabled", log_every_s=3600.0)
+    t.on_request("default", 1.5, "stop")
+    assert t.maybe_log(force=True)["latency_p50_s"] == 1.5
+    for _ in range(telemetry.HISTORY_ROWS + 1):
+        assert t.maybe_log(force=True) == {"time": pytest.approx(time.time(), abs=60)}  # closed, not kept
+    t.on_event("default", loss=float("nan"))  # an event with no finite field: nothing to keep either
+    t.maybe_log(force=True)
+    assert [r["latency_p50_s"] for r in t.recent()] == [1.5]
 
 
 def test_latency_counts_requests_that_ran_to_their_end():
