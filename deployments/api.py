@@ -241,9 +241,10 @@ def make_app(backend, cfg: AppConfig) -> FastAPI:
                 raise e.not_loaded() from None
             err = engine_error(e)
             if chat and err.param == "prompt":  # the prompt rendered from the messages: chat's field is messages
-                err = RequestError(f"messages: the rendered {err}", "messages")
+                err = RequestError(f"messages: the rendered {err}", "messages", code=err.code)
             if alias:
-                err = RequestError(str(err).replace("max_tokens", alias), alias if err.param == "max_tokens" else err.param)
+                err = RequestError(str(err).replace("max_tokens", alias), alias if err.param == "max_tokens" else err.param,
+                                   code=err.code)
             raise err from None
         except Exception as e:  # noqa: BLE001  the backend call failed (its replica died): OpenAI's 500, not a bare one
             raise backend_failed(e) from None

@@ -47,9 +47,12 @@ def check_prompt(tokenizer, vocab: int, max_model_len: int, prompt, params: Samp
         raise ValueError(f"prompt token ids must be in [0, {vocab})")
     # Not + k: Request.step_k never drafts past max_tokens, so k needs no positions of its own.
     if len(ids) + (params.max_tokens or 1) > max_model_len:  # unset: the rest of the context, at least 1
-        asked = (f"+ max_tokens {params.max_tokens} exceeds" if params.max_tokens is not None
-                 else "leave no room for output within")
-        raise ValueError(f"prompt is too long: {len(ids)} prompt tokens {asked} max_model_len {max_model_len}")
+        if len(ids) < max_model_len and params.max_tokens is not None:  # either can give: not "too long" of 2 tokens
+            raise ValueError(f"prompt and max_tokens exceed the context: {len(ids)} prompt tokens + max_tokens "
+                             f"{params.max_tokens} > max_model_len {max_model_len}; shorten the prompt or lower "
+                             f"max_tokens (to at most {max_model_len - len(ids)})")
+        raise ValueError(f"prompt is too long: {len(ids)} prompt tokens leave no room for output within "
+                         f"max_model_len {max_model_len}")
     return Prompt(tokenizer.decode(ids) if text is None else text, ids)
 
 

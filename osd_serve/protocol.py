@@ -419,7 +419,8 @@ def engine_error(e: ValueError) -> RequestError:
     """The engine's ValueErrors start with the field they are about (see SamplingParams.validate)."""
     msg = str(e)
     param = next((f for f in _FIELDS if msg.startswith(f)), None)
-    return RequestError(msg, param)
+    # OpenAI's code for a prompt and completion over the model's context (check_prompt, check_room)
+    return RequestError(msg, param, code="context_length_exceeded" if "max_model_len" in msg else None)
 
 
 _FIELD_NAMES = {n for m in (CompletionRequest, ChatRequest, ChatMessage, StreamOptions, TextPart) for n in m.model_fields}

@@ -157,7 +157,7 @@ def test_bench_refuses_a_too_long_prompt_before_timing(models, monkeypatch):
 
     monkeypatch.setattr(bench, "hf_generate", timed)
     target, draft, tok = models
-    with pytest.raises(ValueError, match="prompt 2: prompt is too long"):
+    with pytest.raises(ValueError, match="prompt 2: prompt and max_tokens exceed the context"):
         bench.run_bench(target, draft, tok, ["def f(", "x" * 200], max_tokens=100, batch_sizes=(1,), ks=range(1, 2))
 
 

@@ -191,6 +191,13 @@ def test_chat_without_a_limit_runs_to_the_end_of_the_context(client, service):
         r = client.post("/v1/chat/completions", headers=AUTH, json={"messages": long} | extra)
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
         assert r.json()["error"]["message"].startswith("messages: the rendered prompt is too long")
+        assert r.json()["error"]["code"] == "context_length_exceeded"  # OpenAI's code for it
+    fits = [{"role": "user", "content": "hi"}]  # a short prompt: both it and the limit are named, and the alias
+    r = client.post("/v1/chat/completions", headers=AUTH, json={"messages": fits, "max_completion_tokens": max_len - 1})
+    err = r.json()["error"]
+    assert r.status_code == 400 and (err["param"], err["code"]) == ("messages", "context_length_exceeded"), r.text
+    assert err["message"].startswith("messages: the rendered prompt and max_completion_tokens exceed the context"), r.text
+    assert "lower max_completion_tokens (to at most " in err["message"], r.text
     # both limits sent: max_completion_tokens (OpenAI's newer name) wins, as in vLLM
     r = client.post("/v1/chat/completions", headers=AUTH, json={"messages": msgs, "max_tokens": 3, "max_completion_tokens": 5,
                                                                  "ignore_eos": True})

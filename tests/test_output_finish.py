@@ -84,8 +84,12 @@ def test_check_prompt_limits_are_exact(tok):
     room for a prompt; unset max_tokens needs one position left and is then fitted to the rest."""
     v = len(tok)
     assert check_prompt(tok, v, 8, "abc", SamplingParams(max_tokens=5)).ids == tok.encode("abc")
-    with pytest.raises(ValueError, match="prompt is too long: 3 prompt tokens \\+ max_tokens 6 exceeds max_model_len 8"):
+    # the prompt fits alone: both are named, and how far max_tokens may go (it was "prompt is too long")
+    with pytest.raises(ValueError, match=r"^prompt and max_tokens exceed the context: 3 prompt tokens \+ max_tokens 6 > "
+                                         r"max_model_len 8; shorten the prompt or lower max_tokens \(to at most 5\)$"):
         check_prompt(tok, v, 8, "abc", SamplingParams(max_tokens=6))
+    with pytest.raises(ValueError, match=r"^prompt is too long: 8 prompt tokens leave no room for output within max_model_len 8$"):
+        check_prompt(tok, v, 8, "abcdefgh", SamplingParams(max_tokens=1))
     with pytest.raises(ValueError, match="max_tokens 8 leaves no room for a prompt"):
         check_prompt(tok, v, 8, "a", SamplingParams(max_tokens=8))
     assert check_prompt(tok, v, 8, "a", SamplingParams(max_tokens=7)).text == "a"
