@@ -32,6 +32,9 @@ from osd_serve.distill.guard import retire_guard_samples
 from osd_serve.distill.replay import Backoff, BufferConfig, ReplayBuffer
 
 from .train_job import idle_per_node, plan_workers, run_train_job  # noqa: F401  plan_workers: the actors' API
+# A controller made by an older osd-serve pickled deployments.distiller.train_loop_per_worker by reference:
+# its Train workers, importing this file, look it up here
+from .train_job import train_loop_per_worker  # noqa: F401,E402
 
 logger = logging.getLogger("ray.serve")
 BUFFER_NAME, CONTROLLER_NAME, NAMESPACE = "osd-replay-buffer", "osd-distill-controller", "osd-serve"
@@ -138,7 +141,7 @@ class _DistillController:
 
     def configure(self, draft_path: str, versions_dir: str, train_cfg: dict, steps: int, max_workers: int = 4,
                   heldout: int = 16, keep_versions: int = 5, save: bool = True, buffer_cfg: dict | None = None,
-                  pair: list[str] | None = None) -> None:
+                  pair: list[str] | None = None, train_time_limit_s: float | None = None) -> None:
         """The actor is detached and outlives the app: a redeploy brings its config here. One
         assignment, read once per job (``_update``), so a running job keeps the settings it started with.
         buffer_cfg, pair: the buffer's, handed to it at each poll (a restarted buffer has its creation's);
@@ -147,6 +150,8 @@ class _DistillController:
             BufferConfig(**buffer_cfg)  # TypeError/ValueError: _load_settings keeps the creation's settings
         if pair is not None and not (isinstance(pair, list) and all(isinstance(p, str) for p in pair)):
             raise TypeError(f"pair: a list of model paths, got {pair!r}")
+        if train_time_limit_s is not None:  # its own keyword: an older controller refuses it (TypeError) in connect()
+            train_cfg = {**train_cfg, "time_limit_s": train_time_limit_s}
         self.settings = {"draft_path": draft_path, "versions_dir": Path(os.path.expanduser(versions_dir)),
                          "train_cfg": train_cfg, "steps": steps, "max_workers": max_workers, "heldout": heldout,
                          "keep_versions": keep_versions, "buffer_cfg": buffer_cfg, "pair": pair}
@@ -361,11 +366,17 @@ def connect(cfg, app: str | None = None) -> tuple:
     buffer_cfg = {"max_bytes": d.buffer_mb << 20, "trigger_records": d.trigger_records, "trigger_age_s": d.trigger_age_s}
     pair = pair_of(cfg)
     buffer = ReplayBufferActor.options(name=buffer_name, **opts).remote(buffer_cfg)
-    train = {"mode": d.mode, "lr": d.lr, "steps_per_update": d.steps_per_update, "time_limit_s": d.train_time_limit_s}
+    train = {"mode": d.mode, "lr": d.lr, "steps_per_update": d.steps_per_update}
     args = (model_paths(cfg)[1], str(versions), train, d.steps_per_update, d.max_train_workers)
     extra = {"keep_versions": d.keep_versions, "buffer_cfg": buffer_cfg, "pair": pair}
     controller = DistillController.options(name=controller_name, **opts).remote(*args, buffer_name=buffer_name, **extra)
     ray.get(buffer.configure.remote(buffer_cfg, pair))
+    try:
+        ray.get(controller.configure.remote(*args, train_time_limit_s=d.train_time_limit_s, **extra))
+        return buffer, controller
+    except TypeError:  # an older controller: its TrainConfig has no time_limit_s, and in train_cfg it failed every job
+        logger.warning("%s was made by an older osd-serve: its jobs have no time limit; `ray kill` it (namespace %s) "
+                       "to replace it", controller_name, NAMESPACE)
     try:
         ray.get(controller.configure.remote(*args, **extra))
     except TypeError:  # made by an older osd-serve (detached, it outlives an upgrade): no buffer settings

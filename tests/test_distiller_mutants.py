@@ -299,7 +299,7 @@ def test_connect_gives_the_actors_the_config(monkeypatch):
         "train_time_limit_s": 45}})
     dist.connect(cfg, app="llama")
     buffer_cfg = {"max_bytes": 3 * 1024 * 1024, "trigger_records": 5, "trigger_age_s": 7.5}
-    args = ("org/draft", "/vs/llama", {"mode": "full", "lr": 0.01, "steps_per_update": 9, "time_limit_s": 45.0}, 9, 6)  # the app's own versions
+    args = ("org/draft", "/vs/llama", {"mode": "full", "lr": 0.01, "steps_per_update": 9}, 9, 6)  # the app's own versions
     # restarted if they die: replicas keep handles to them, and records and heartbeats to a dead one were lost silently
     opts = {"namespace": dist.NAMESPACE, "get_if_exists": True, "lifetime": "detached", "max_restarts": -1}
     names = dist.actor_names("llama")
@@ -307,7 +307,8 @@ def test_connect_gives_the_actors_the_config(monkeypatch):
     extra = {"keep_versions": 2, "buffer_cfg": buffer_cfg, "pair": pair}  # the buffer's: a restarted one gets them
     assert made == [("buffer", {"name": names[0], **opts}, (buffer_cfg,), {}),
                     ("controller", {"name": names[1], **opts}, args, {"buffer_name": names[0], **extra})]
-    assert configured == [("buffer", (buffer_cfg, pair), {}), ("controller", args, extra)]
+    # the time limit as its own keyword: an older (detached) controller refuses it rather than failing every job
+    assert configured == [("buffer", (buffer_cfg, pair), {}), ("controller", args, {"train_time_limit_s": 45.0, **extra})]
     # the pair as configured: the embedded default's paths differ from node to node
     assert dist.pair_of(parse_config({})) == ["embedded default", "embedded default"]
     # Each Serve application its own pair of actors; a caller outside any replica gets the default app's

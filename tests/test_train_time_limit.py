@@ -137,3 +137,28 @@ def test_a_local_update_stopped_at_its_limit_is_guarded_and_says_so(tok, tmp_pat
         res = dist.update("default")
     assert res.time_limited and len(res.losses) == 4 and res.published, res
     assert "stopped at its time limit (4.5 s) after 4 steps" in caplog.text
+
+
+def test_an_older_detached_controller_gets_no_time_limit_it_cannot_take(monkeypatch):
+    """connect() reconfigures a detached controller that may be an older osd-serve's: the limit in its
+    train_cfg reached its TrainConfig (no time_limit_s) in every Train worker, a TypeError per job, with
+    no warning; as its own keyword the older controller refuses it and is configured without it."""
+    import deployments.distiller as dist
+    from deployments.config import parse_config
+
+    configured = []
+
+    def configure(*a, train_time_limit_s=None, **kw):  # an older controller has no such keyword
+        if train_time_limit_s is not None:
+            raise TypeError("configure() got an unexpected keyword argument 'train_time_limit_s'")
+        configured.append((a, kw))
+
+    handle = SimpleNamespace(configure=SimpleNamespace(remote=configure))
+    actor = SimpleNamespace(options=lambda **opts: SimpleNamespace(remote=lambda *a, **kw: handle))
+    monkeypatch.setattr(dist, "ReplayBufferActor", actor)
+    monkeypatch.setattr(dist, "DistillController", actor)
+    monkeypatch.setattr(dist, "ray", SimpleNamespace(get=lambda x: x))
+    dist.connect(parse_config({"target": "org/t", "draft": "org/d", "distill": {"backend": "ray_train", "train_time_limit_s": 45}}), app="a")
+    (args, kw), = [c for c in configured if "pair" in c[1]]
+    assert "time_limit_s" not in args[2]
+    assert dist.train_loop_per_worker is not None  # its Train workers look the loop up here, by reference
