@@ -55,6 +55,8 @@ def backend_failed(e: BaseException) -> RequestError:
     max_queued_requests, on any step of a disaggregated request) is a 503 and nothing to log; else engine_failed."""
     if isinstance(e, BackPressureError):
         return RequestError("the server is at capacity (its request queue is full); retry shortly", None, 503)
+    if isinstance(e, UnknownExpert) and not isinstance(getattr(e, "cause", None), BaseException):
+        return e.not_loaded()  # a later step reached a replica from before a redeploy (disaggregated: each propose is routed anew)
     return engine_failed(e)
 
 

@@ -215,3 +215,17 @@ def test_the_draft_pool_refuses_an_expert_it_lacks_as_unknown_expert():
     with pytest.raises(UnknownExpert) as got:
         asyncio.run(DraftPool.func_or_class.get_worker.__wrapped__(pool, "default"))
     assert (got.value.expert, got.value.known) == ("default", ["sql"])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_draft_replica_lacking_the_expert_at_a_later_step_is_a_503_too(tok, stream):
+    """Each propose is routed anew by multiplexing, so a later step can reach an old DraftPool replica:
+    a whole completion answered a 500 (logged as an engine failure) where a full queue there is a 503."""
+    backend, _, verifier = _backend(tok, CFG)
+    _failing(backend.drafts, "propose", [None, _unknown_on_replica()])
+    r = _serve(backend, BODY | {"stream": stream}, lambda: verifier.ends)
+    body = r.text if stream else r.json()["error"]
+    if stream:
+        assert r.status_code == 200 and '"code": "expert_not_loaded"' in body, body
+    else:
+        assert r.status_code == 503 and body["code"] == "expert_not_loaded" and r.headers["retry-after"] == "1", r.text
