@@ -12,6 +12,9 @@ import time
 from pathlib import Path
 
 
+COLLECTIVE_FLOOR_S = 300  # the least a collective waits before it fails the job (torch.distributed timeout)
+
+
 def plan_workers(nodes: list[dict], serve_load: float, max_workers: int = 4, busy_load: float = 0.75,
                  cpus_per_worker: float = 0.5) -> dict | None:
     """How many Ray Train workers to launch now, on what. None: wait.
@@ -101,7 +104,9 @@ def run_train_job(plan: dict, record_refs: list, draft_path: str, state_path: st
                            "train": train_cfg, "steps": steps, "use_gpu": plan["use_gpu"]},
         # A collective that waits this long (a worker hung, or gone without Ray noticing) fails the job:
         # torch's default is 30 minutes, in which the controller trains nothing else.
-        torch_config=TorchConfig(timeout_s=math.ceil(train_cfg.get("time_limit_s") or 1800)),
+        # Never under COLLECTIVE_FLOOR_S: the first agree() also waits for the slowest worker's set-up (its
+        # draft load and record fetch), and a short limit failed every job of a healthy multi-worker group.
+        torch_config=TorchConfig(timeout_s=max(COLLECTIVE_FLOOR_S, math.ceil(train_cfg.get("time_limit_s") or 1800))),
         scaling_config=ScalingConfig(num_workers=plan["num_workers"], use_gpu=plan["use_gpu"],
                                      resources_per_worker=None if plan["use_gpu"] else {"CPU": plan["cpus_per_worker"]}),
         # controller_failure_limit=0: Ray Train's default (-1) retried a worker group that could not start

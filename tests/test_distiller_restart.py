@@ -39,7 +39,7 @@ def test_a_train_job_whose_workers_cannot_start_fails_instead_of_retrying_foreve
             seen["run_config"], seen["torch_config"] = run_config, torch_config
 
         def fit(self):
-            (d := tmp_path / "ck").mkdir()
+            (d := tmp_path / "ck").mkdir(exist_ok=True)
             save_file({"w": torch.zeros(1)}, str(d / "draft.safetensors"))
             return types.SimpleNamespace(checkpoint=Checkpoint.from_directory(str(d)), metrics={"steps": 1})
 
@@ -49,7 +49,9 @@ def test_a_train_job_whose_workers_cannot_start_fails_instead_of_retrying_foreve
     decision = policy.make_decision(ControllerError(WorkerGroupStartupTimeoutError(2)))
     assert decision.value.upper() == "RAISE"
     # a collective waiting past the job's time limit (a hung worker) fails it, not after torch's 30 minutes
-    assert seen["torch_config"].timeout_s == 91
+    assert seen["torch_config"].timeout_s == 300  # the floor: the first collective also waits out the workers' set-up
+    dist.run_train_job({"num_workers": 2, "use_gpu": True}, [], "d", "s", {"time_limit_s": 900.5}, 1, str(tmp_path))
+    assert seen["torch_config"].timeout_s == 901
 
 
 def test_a_restarted_controller_keeps_the_settings_of_the_last_redeploy(plain_ray, tmp_path, draft_dir):
