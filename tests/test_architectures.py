@@ -92,7 +92,7 @@ def test_longrope_models_serve_up_to_their_original_context(tok):
     target = _model(cfg)
     eng = SpecEngine(target, perturbed(target, 0.02), tok, EngineConfig(max_batch_size=4))
     assert eng.max_model_len == 48
-    with pytest.raises(ValueError, match="exceeds max_model_len 48"):
+    with pytest.raises(ValueError, match="prompt and max_tokens exceed the context: 40 prompt tokens \\+ max_tokens 9 > max_model_len 48"):
         eng.generate([[5] * 40], SamplingParams(max_tokens=9))
     # within it, a short and a long request in one batch are each the target's own (ignore_eos: full lengths)
     prompts = [[7, 8, 9], [(i % 50) + 3 for i in range(30)]]
