@@ -146,14 +146,22 @@ class CompletionRequest(_Sampling):
     _neutral_completion = field_validator("echo", "best_of", "suffix")(_neutral_only)
     _null_echo = field_validator("echo", mode="before")(classmethod(_null_is_default))
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _no_batch(cls, v):
+        # Also before the types: a batch mixing texts and id lists (["a", [1]]) failed every member of the
+        # union, and the error named prompt.0 ("a valid integer"), an element that is fine. [1, "a"] is a
+        # prompt of ids with a bad one, and keeps its located error.
+        if isinstance(v, list) and len(v) > 1 and isinstance(v[0], (str, list)):
+            raise ValueError(f"a batch of {len(v)} prompts is not supported: send one prompt per request")
+        return v
+
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, v):
         # A batch of one is that prompt, as LangChain's OpenAI LLM sends every prompt; a longer one is a
-        # 400 (n is 1).
+        # 400 (n is 1), refused by _no_batch.
         if v and isinstance(v, list) and not isinstance(v[0], int):
-            if len(v) > 1:
-                raise ValueError(f"a batch of {len(v)} prompts is not supported: send one prompt per request")
             v = v[0]
         return _unicode(v)
 

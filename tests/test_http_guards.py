@@ -203,8 +203,13 @@ def test_a_chat_template_that_refuses_the_messages_is_a_value_error_naming_messa
 
 @pytest.mark.parametrize("body,param,says", [
     ({"prompt": [5, -1]}, "prompt.1", "greater than or equal to 0"),
-    ({"prompt": ["x", 5]}, "prompt.0", "valid integer"),  # a list prompt is token ids
+    ({"prompt": [5, "x"]}, "prompt.1", "valid integer"),  # a list of ids with a bad one, located
     ({"prompt": ["x", "y"]}, "prompt", "a batch of 2 prompts is not supported"),
+    # a list of several led by a text or an id list is a batch, whatever else is in it: a mixed one named
+    # prompt.0, a valid element ("Input should be a valid integer")
+    ({"prompt": ["x", 5]}, "prompt", "a batch of 2 prompts is not supported"),
+    ({"prompt": ["x", [1]]}, "prompt", "a batch of 2 prompts is not supported"),
+    ({"prompt": [[1], "x", [2]]}, "prompt", "a batch of 3 prompts is not supported"),
     ({"prompt": [[1, -1]]}, "prompt.0.1", "greater than or equal to 0"),  # a one-prompt batch: inside its element
     ({"prompt": [["a"]]}, "prompt.0.0", "valid integer"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
