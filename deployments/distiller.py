@@ -119,6 +119,7 @@ class _DistillController:
 
     HEARTBEAT_TTL_S = 30.0  # a replica silent this long is gone (scaled down, dead): its load no longer counts
     MAX_EVENTS = 1000
+    WAIT_WARN_S = 300.0  # a due expert waiting this long for idle capacity is warned of
 
     def __init__(self, draft_path: str, versions_dir: str, train_cfg: dict, steps: int, max_workers: int = 4,
                  heldout: int = 16, poll_s: float = 1.0, keep_versions: int = 5, buffer_name: str = BUFFER_NAME,
@@ -135,6 +136,7 @@ class _DistillController:
         self.load: dict[str, tuple[float, float, float]] = {}  # replica -> (ongoing, capacity, time), from heartbeats
         self.events: collections.deque[dict] = collections.deque(maxlen=self.MAX_EVENTS)
         self.state = "idle"
+        self.waiting: dict[str, tuple[float, bool]] = {}  # a due expert no capacity fits -> (since, warned)
         self.backoff = Backoff()
         self._stop = threading.Event()
         threading.Thread(target=self._loop, args=(poll_s,), daemon=True).start()
@@ -192,7 +194,7 @@ class _DistillController:
         return list(self.events)
 
     def status(self) -> dict:
-        return {"state": self.state, "serve_load": self.serve_load(), "updates": len(self.events),
+        return {"state": self._state(), "serve_load": self.serve_load(), "updates": len(self.events),
                 "settings": self._plain_settings()}
 
     def _plain_settings(self) -> dict:
@@ -202,7 +204,7 @@ class _DistillController:
         """What /admin/experts shows of the controller: its state and its last jobs (published or refused,
         with the guard's reason and scores, or the error). Without it, a controller whose every job failed
         looked the same as an idle one. JSON-safe: a guard's NaN score is null."""
-        return _json_safe({"state": self.state, "serve_load": self.serve_load(), "jobs": list(self.events)[-jobs:]})
+        return _json_safe({"state": self._state(), "serve_load": self.serve_load(), "jobs": list(self.events)[-jobs:]})
 
     def _loop(self, poll_s: float) -> None:
         backoff = self.backoff
@@ -224,8 +226,10 @@ class _DistillController:
                     # Inside the try: idle_per_node reads Ray's control store, and one failed read ended this
                     # thread for good while the actor stayed up, idle, with no error to show.
                     plan = plan_workers(idle_per_node(), self.serve_load(), self.settings["max_workers"])
-                    if plan is None:
-                        continue  # no spare capacity: the trigger stays due, retried next poll
+                    if plan is None:  # no spare capacity: the trigger stays due, retried next poll
+                        self._no_capacity(expert, why)
+                        continue
+                    self.waiting.pop(expert, None)
                     self.state = f"training {expert} on {plan}"
                     self.events.append(self._update(expert, why, plan))
                     backoff.succeeded(expert)
@@ -234,7 +238,27 @@ class _DistillController:
                     logger.warning("distill controller: %s: %r (retried in %.0f s)", expert, e, backoff.failed(expert))
                 finally:
                     self.state = "idle"
+            for expert in set(self.waiting) - set(due):  # trained, or no longer due
+                del self.waiting[expert]
             self._stop.wait(poll_s)
+
+    def _no_capacity(self, expert: str, why: str) -> None:
+        """A due expert that no idle capacity can train: shown in the state, and warned of once it has
+        waited WAIT_WARN_S. Silent, a controller that could never plan (every CPU and GPU held by
+        serving, or by a Train job's reservation that outlived a killed controller) looked idle."""
+        since, warned = self.waiting.setdefault(expert, (time.monotonic(), False))
+        if not warned and time.monotonic() - since > self.WAIT_WARN_S:
+            self.waiting[expert] = (since, True)
+            logger.warning("distill controller: %s has been due (%s) for %.0f s with no idle capacity to train on: "
+                           "serving holds every CPU and GPU, or a reservation outlived its job (`ray status`, "
+                           "`ray list placement-groups`)", expert, why, time.monotonic() - since)
+
+    def _state(self) -> str:
+        if self.state != "idle" or not self.waiting:
+            return self.state
+        now = time.monotonic()
+        return "waiting for idle capacity: " + ", ".join(f"{e} due for {now - t:.0f} s" for e, (t, _) in
+                                                          sorted(list(self.waiting.items())))  # list(): a snapshot
 
     def _update(self, expert: str, why: str, plan: dict) -> dict:
         refs, flags, window = ray.get(self.buffer.take.remote(expert))

@@ -1,0 +1,29 @@
+"""A due expert that no idle capacity can train: the controller says so (its state, and a warning once
+it has waited WAIT_WARN_S). It looked idle, with no job and no error, when a Train job's reservation
+outlived a killed controller and held the only CPUs, so it never trained again, unsaid."""
+
+from __future__ import annotations
+
+import deployments.distiller as dist
+from tests.test_distiller_mutants import _controller, _fill, _polls, draft_dir, plain_ray  # noqa: F401  fixtures
+
+
+def test_a_due_expert_without_capacity_is_shown_and_warned_of(plain_ray, monkeypatch, tmp_path, draft_dir, caplog):
+    ctrl, trains, _ = _controller(plain_ray, monkeypatch, tmp_path, draft_dir)
+    monkeypatch.setattr(dist, "idle_per_node", lambda: [{"CPU": 0.0}])  # every CPU held
+    monkeypatch.setattr(ctrl, "WAIT_WARN_S", 0.0)
+    _fill(plain_ray, 12, heldout=4)
+    dist.logger.addHandler(caplog.handler)  # Ray's "ray.serve" logger does not propagate to the root's
+    try:
+        ctrl._stop = _polls(3)
+        ctrl._loop(0)
+    finally:
+        dist.logger.removeHandler(caplog.handler)
+    assert trains == [] and ctrl.history() == []
+    assert ctrl.status()["state"].startswith("waiting for idle capacity: default due for "), ctrl.status()
+    assert ctrl.report()["state"].startswith("waiting for idle capacity: default due for ")  # /admin/experts' view
+    assert caplog.text.count("default has been due (size)") == 1, caplog.text  # once per wait, not per poll
+    monkeypatch.setattr(dist, "idle_per_node", lambda: [{"GPU": 16.0}])  # capacity back: it trains, no longer waiting
+    ctrl._stop = _polls(1)
+    ctrl._loop(0)
+    assert len(trains) == 1 and ctrl.waiting == {} and ctrl.status()["state"] == "idle"
