@@ -162,6 +162,11 @@ def test_versions_are_atomic_pruned_and_roll_back(tmp_path, models):
     with pytest.raises(KeyError):
         store.load(0)
     assert [p.suffix for p in (tmp_path / "v000001").iterdir() if p.is_file()] .count(".bin") == 0
+    # v1's parent, v0, is pruned: a rollback without `to` says so (it was KeyError "not kept", a 404 naming
+    # `to` that the admin call never sent), and changes nothing
+    with pytest.raises(ValueError, match=r"^version 1 was trained from version 0, which is no longer kept \(kept: \[1, 2\]\)"):
+        store.rollback()
+    assert store.current == 1
 
 
 def test_a_rollback_then_an_update_keeps_the_known_good_version(tmp_path, models):

@@ -283,6 +283,9 @@ class VersionStore:
                 to = vs[i - 1] if i else None
             if to is None:
                 raise ValueError("no older version to roll back to")
+            if to not in vs:  # a 409 of its own: as "not kept" it was a 404 naming `to`, which the caller never sent
+                raise ValueError(f"version {self.current} was trained from version {to}, which is no longer kept "
+                                 f"(kept: {vs}); roll back to one of those with `to`")
         return to
 
     def meta(self, version: int) -> dict:
