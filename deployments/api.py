@@ -237,10 +237,10 @@ def make_app(backend, cfg: AppConfig) -> FastAPI:
             it = backend.stream(expert, prompt, params).__aiter__()
             first = await it.__anext__()  # bad input (too long a prompt...) raises here, before any 200
         except ValueError as e:
-            if isinstance(getattr(e, "cause", None), BaseException):  # a RayTaskError: raised in the replica, not bad input
-                raise engine_failed(e) from None
-            if isinstance(e, UnknownExpert):  # checked above, so the replica reached is on another config
-                raise e.not_loaded() from None
+            # Not bad input: a RayTaskError (raised in the replica), or a replica lacking the expert checked
+            # above (on another config, a redeploy): backend_failed's 500 or 503, as at any later step
+            if isinstance(e, UnknownExpert) or isinstance(getattr(e, "cause", None), BaseException):
+                raise backend_failed(e) from None
             err = engine_error(e)
             if chat and err.param == "prompt":  # the prompt rendered from the messages: chat's field is messages
                 err = RequestError(f"messages: the rendered {err}", "messages", code=err.code)
