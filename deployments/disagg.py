@@ -42,6 +42,9 @@ from .config import GRACEFUL_SHUTDOWN_S, AppConfig, check_gpu_reservation, repli
 IDLE_SEQUENCE_S = 600.0  # see Verifier._forget_idle
 RELEASE_TRIES = 6  # a release refused by a full queue is sent again, 0.05 s later, then 0.1 s, ... (1.55 s in all)
 RELEASED_KEPT = 4096  # released ids a replica remembers; a call queued before its release is seconds old
+# After a rollback, DraftPool replicas propose from the version rolled back from until their watcher's
+# next poll (2 s) and the draft's load: such proposals are not logged as a version change for this long.
+ROLLBACK_GRACE_S = 30.0
 
 
 def _remember_release(released: OrderedDict[str, None], seq_id: str) -> None:
@@ -207,6 +210,7 @@ class Verifier(_Batched):
         # row and record trace are bounded by the core's LRU caps.)
         self.released: OrderedDict[str, None] = OrderedDict()
         self.versions: dict[str, int] = {}  # expert -> the draft version of the latest proposal verified
+        self.rolled: dict[str, tuple[int, float]] = {}  # expert -> (the newest version kept, until when): note_rollback
         # expert -> released sequences by finish_reason, as the router reports it (none: its client went
         # away, "abort"); /admin/experts' "finished", as the colocated engine counts them
         self.finished: defaultdict[str, Counter] = defaultdict(Counter)
@@ -241,10 +245,24 @@ class Verifier(_Batched):
         for expert, st in stats.items():
             self.telemetry.on_step(expert, st)
         for it in items:
-            if it.draft and it.draft_version != self.versions.get(it.expert):  # a swap, or a rollback
-                self.versions[it.expert] = it.draft_version
+            if it.draft and it.draft_version != self.versions.get(it.expert) and not self._rolled_from(it, now):
+                self.versions[it.expert] = it.draft_version  # a swap, or a rollback another replica was told of
                 self.telemetry.on_event(it.expert, version=it.draft_version)
         return verdicts
+
+    def _rolled_from(self, it: VerifyItem, now: float) -> bool:
+        """A proposal from a version a rollback noted here has just left (a DraftPool replica that has not
+        swapped yet): logged, it flipped the version row back and forth. A version published since is
+        numbered above every kept one."""
+        newest, until = self.rolled.get(it.expert, (-1, 0.0))
+        return it.draft_version <= newest and now < until
+
+    async def note_rollback(self, expert: str, version: int, newest: int) -> None:
+        """A rollback to version (admin), while newest was the newest version kept: one event row, as
+        the colocated replica logs it, and serving_version says so now, not at the next proposal."""
+        self.versions[expert] = version
+        self.rolled[expert] = (newest, time.monotonic() + ROLLBACK_GRACE_S)
+        self.telemetry.on_event(expert, version=version, rollback=1)
 
     def _verify(self, items: list[VerifyItem]):  # the torch thread
         out = self.core.verify(items)
@@ -455,7 +473,14 @@ class DisaggBackend:
         # version): rolling its manifest back is what they all pick up at their next poll.
         if not self.cfg.distill.enabled:
             raise ValueError("rollback: distill.enabled is false, so there are no draft versions")
-        version, _ = await asyncio.to_thread(lambda: VersionStore(_versions_dir(self.cfg) / expert).rollback(to))
+        await self._ensure_ready()  # the Verifier's handle, told below
+        store = VersionStore(_versions_dir(self.cfg) / expert)
+        version, _ = await asyncio.to_thread(store.rollback, to)
+        try:  # the event row and serving_version: the rollback itself is done whatever this does
+            await self.verifier.note_rollback.remote(expert, version, max(store.versions))
+        except Exception as e:  # noqa: BLE001  (a Verifier redeployed without note_rollback, or gone)
+            logging.getLogger(__name__).warning("rollback of %s to version %s: the Verifier was not told (%r)",
+                                                expert, version, e)
         return {"expert": expert, "serving_version": version}
 
     async def admin_update(self, expert):

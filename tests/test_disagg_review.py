@@ -229,3 +229,33 @@ def test_a_draft_replica_lacking_the_expert_at_a_later_step_is_a_503_too(tok, st
         assert r.status_code == 200 and '"code": "expert_not_loaded"' in body, body
     else:
         assert r.status_code == 503 and body["code"] == "expert_not_loaded" and r.headers["retry-after"] == "1", r.text
+
+
+@pytest.mark.parametrize("verifier_fails", [False, True])
+def test_a_rollback_tells_the_verifier_and_survives_its_failure(tmp_path, monkeypatch, caplog, verifier_fails):
+    """Disaggregated, a rollback rolled the shared store back and wrote no event row: the Verifier, which
+    logs the versions, saw nothing until proposals of the version came. It is now told (note_rollback),
+    with the newest version kept; one that cannot be told leaves the rollback done, with a warning."""
+    import torch
+
+    import deployments.disagg as dd
+    from osd_serve.distill.versions import VersionStore
+
+    monkeypatch.setattr(dd, "replica_app", lambda: None)
+    cfg = AppConfig(distill={"backend": "ray_train", "versions_dir": str(tmp_path)})
+    store = VersionStore(tmp_path / "sql")
+    for i in range(3):
+        store.publish({"w": torch.full((2,), float(i))})
+    told = []
+
+    async def note_rollback(*args):
+        if verifier_fails:
+            raise RuntimeError("Verifier replica gone")
+        told.append(args)
+
+    backend = dd.DisaggBackend(cfg)
+    backend._ready, backend.verifier = True, SimpleNamespace(note_rollback=SimpleNamespace(remote=note_rollback))
+    assert asyncio.run(backend.admin_rollback("sql", None)) == {"expert": "sql", "serving_version": 1}
+    assert VersionStore(tmp_path / "sql").current == 1
+    assert told == ([] if verifier_fails else [("sql", 1, 2)])
+    assert ("the Verifier was not told" in caplog.text) == verifier_fails

@@ -150,23 +150,28 @@ def test_guard_refuses_a_corrupted_update(models, tok, tmp_path, bad):
 def test_versions_are_atomic_pruned_and_roll_back(tmp_path, models):
     _, weak = models
     store = VersionStore(tmp_path, keep_last=2)
-    states = [{n: t + i for n, t in weak.state_dict().items()} for i in range(3)]
+    states = [{n: t + i for n, t in weak.state_dict().items()} for i in range(4)]
     for i, s in enumerate(states):
         assert store.publish(s, {"i": i}) == i
-    assert store.versions == [1, 2] and store.current == 2
-    assert not (tmp_path / "v000000").exists() and not list(tmp_path.glob(".tmp-*"))
-    assert json.loads((tmp_path / "manifest.json").read_text())["current"] == 2
+    # v1 is pruned; v0, the draft as configured, is always kept: with full-weight versions (ray_train)
+    # it went after keep_last, and `rollback?to=0` was a 404
+    assert store.versions == [0, 2, 3] and store.current == 3
+    assert not (tmp_path / "v000001").exists() and not list(tmp_path.glob(".tmp-*"))
+    assert json.loads((tmp_path / "manifest.json").read_text())["current"] == 3
     v, st = store.rollback()
-    assert v == 1 and VersionStore(tmp_path).current == 1  # the manifest on disk says so too
-    assert all(torch.equal(st[n], states[1][n]) for n in st)
+    assert v == 2 and VersionStore(tmp_path).current == 2  # the manifest on disk says so too
+    assert all(torch.equal(st[n], states[2][n]) for n in st)
     with pytest.raises(KeyError):
-        store.load(0)
-    assert [p.suffix for p in (tmp_path / "v000001").iterdir() if p.is_file()] .count(".bin") == 0
-    # v1's parent, v0, is pruned: a rollback without `to` says so (it was KeyError "not kept", a 404 naming
+        store.load(1)
+    assert [p.suffix for p in (tmp_path / "v000002").iterdir() if p.is_file()] .count(".bin") == 0
+    # v2's parent, v1, is pruned: a rollback without `to` says so (it was KeyError "not kept", a 404 naming
     # `to` that the admin call never sent), and changes nothing
-    with pytest.raises(ValueError, match=r"^version 1 was trained from version 0, which is no longer kept \(kept: \[1, 2\]\)"):
+    with pytest.raises(ValueError, match=r"^version 2 was trained from version 1, which is no longer kept \(kept: \[0, 2, 3\]\)"):
         store.rollback()
-    assert store.current == 1
+    assert store.current == 2
+    for s in states:  # many publishes later, v0 is still there to go back to
+        store.publish(s)
+    assert store.versions == [0, 6, 7] and torch.equal(store.rollback(0)[1]["lm_head.weight"], states[0]["lm_head.weight"])
 
 
 def test_a_rollback_then_an_update_keeps_the_known_good_version(tmp_path, models):
@@ -192,8 +197,9 @@ def test_watcher_swaps_in_what_another_process_publishes(tmp_path, models):
     """The ray_train backend's hot-swap path: a replica watches the shared store, the controller publishes."""
     _, weak = models
     base = {n: t.clone() for n, t in weak.state_dict().items()}
-    applied = []
-    w = VersionWatcher(tmp_path, lambda e, st, v: applied.append((e, v, st)), poll_s=3600)  # polled by hand
+    applied, swaps = [], []
+    w = VersionWatcher(tmp_path, lambda e, st, v: applied.append((e, v, st)), poll_s=3600,  # polled by hand
+                       on_swap=lambda e, v: swaps.append(v))
     assert w.watch("sql", lambda: base) == (0, None)  # an empty store: the draft as configured is version 0
     w.poll()
     assert applied == []
@@ -203,9 +209,14 @@ def test_watcher_swaps_in_what_another_process_publishes(tmp_path, models):
     assert [(e, v) for e, v, _ in applied] == [("sql", 1)] and torch.equal(applied[0][2]["lm_head.weight"], trained["lm_head.weight"])
     w.poll()
     assert len(applied) == 1  # once per version
-    assert w.rollback("sql") == 0  # an admin rollback goes through the shared store...
+    assert w.rollback("sql") == 0  # an admin rollback goes through the shared store, swapped in here at once...
+    assert [(e, v) for e, v, _ in applied] == [("sql", 1), ("sql", 0)] and w.serving["sql"] == 0
     w.poll()
-    assert [(e, v) for e, v, _ in applied] == [("sql", 1), ("sql", 0)]  # ...and every watcher follows
+    assert len(applied) == 2 and swaps == [1]  # ...not again at the poll; the caller logs the rollback as its event
+    other_replica = VersionWatcher(tmp_path, lambda e, st, v: applied.append((e, v, st)), poll_s=3600)
+    other_replica.stores["sql"], other_replica.serving["sql"] = VersionStore(tmp_path / "sql"), 1
+    other_replica.poll()
+    assert [(e, v) for e, v, _ in applied][-1] == ("sql", 0)  # ...and every other watcher follows
     # A replica started later serves the store's current version from the start.
     late = VersionWatcher(tmp_path, None, poll_s=3600)
     v, st = late.watch("sql", lambda: base)

@@ -188,7 +188,7 @@ def test_lora_versions_keep_the_version_their_adapters_apply_over(tmp_path):
     store.rollback(1)
     for _ in range(3):  # a new LoRA series over v1
         store.publish(st, {"adapter_base_version": 1})
-    assert store.versions == [1, 3, 4] and torch.equal(store.load(1)["w"], st["w"])
+    assert store.versions == [0, 1, 3, 4] and torch.equal(store.load(1)["w"], st["w"])  # v0: always kept
 
 
 def test_student_sampling_never_feeds_the_target_an_id_it_lacks(tok):

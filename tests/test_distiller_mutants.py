@@ -252,7 +252,8 @@ def test_the_controller_keeps_the_configured_number_of_versions(plain_ray, monke
     ctrl, _, _ = _controller(plain_ray, monkeypatch, tmp_path, draft_dir, keep_versions=2)
     for _ in range(3):
         assert ctrl._update("default", "size", {"num_workers": 1, "use_gpu": False})["published"]
-    assert VersionStore(tmp_path / "versions" / "default").versions == [2, 3]
+    # and version 0, the draft as configured: these full-weight versions pruned it, so rollback?to=0 was a 404
+    assert VersionStore(tmp_path / "versions" / "default").versions == [0, 2, 3]
 
 
 def test_a_failed_job_is_history_and_too_few_guard_samples_skip(plain_ray, monkeypatch, tmp_path, draft_dir):

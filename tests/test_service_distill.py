@@ -90,3 +90,31 @@ def test_admin_experts_shows_a_rollback_on_an_idle_replica(tok, tmp_path):
         assert eng.draft_version == 0 and eng.next_draft_version == 0
     finally:
         svc.close()
+
+
+def _version_rows(svc) -> list[dict]:
+    svc.telemetry.maybe_log(force=True)
+    return [{k.split("/")[0]: v for k, v in r.items() if k.endswith("/default")} for r in svc.telemetry.recent()
+            if "version/default" in r]
+
+
+def test_a_rollback_is_one_event_row_whichever_backend(tok, tmp_path):
+    """Colocated with ray_train (versions watched in the shared store), a rollback logged its row and then
+    the watcher's swap of the same version logged another, where the local backend logs one. It is now
+    swapped in by the rollback itself: one row, {version, rollback}, and the next poll has nothing to do."""
+    from osd_serve.distill.versions import VersionStore
+
+    target = llama(len(tok), seed=3)
+    cfg = AppConfig(distill={"versions_dir": str(tmp_path), "backend": "ray_train"}, wandb={"mode": "disabled"})
+    svc = SpecService(cfg, models=(target, perturbed(target, 0.05), tok), record_sink=lambda rec: None, versions_dir=tmp_path)
+    try:
+        eng = svc.server.engines["default"]
+        trained = {n: t + 0.01 for n, t in eng.draft.state_dict().items()}
+        assert VersionStore(tmp_path / "default").publish(trained, {"reason": "the controller"}) == 1
+        svc.watcher.poll()
+        assert asyncio.run(svc.admin_rollback("default", None))["serving_version"] == 0
+        assert eng.next_draft_version == 0  # swapped in by the rollback, not at a later poll
+        svc.watcher.poll()
+        assert _version_rows(svc) == [{"version": 0}, {"version": 1}, {"version": 0, "rollback": 1}]
+    finally:
+        svc.close()

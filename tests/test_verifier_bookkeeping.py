@@ -39,9 +39,10 @@ def _verifier(monkeypatch, now: list[float]):
     monkeypatch.setattr(dd, "time", SimpleNamespace(monotonic=lambda: now[0], perf_counter=time.perf_counter))
     core = SimpleNamespace(verify=lambda items: ([Verdict([7], 0, 0) for _ in items], {}), release=lambda seq_id: None)
     telemetry = SimpleNamespace(on_step=lambda *a: None, on_request=lambda *a: None,
-                                on_event=lambda expert, version: events.append((expert, version)))
+                                on_event=lambda expert, version, **kw: events.append((expert, version, *kw.values())))
     v = SimpleNamespace(live={}, released=OrderedDict(), versions={}, finished=defaultdict(Counter), recomputed=0,
-                        core=core, telemetry=telemetry)
+                        core=core, telemetry=telemetry, rolled={})
+    v._rolled_from = lambda it, t: cls._rolled_from(v, it, t)
 
     async def run(fn, *args):
         return fn(*args)
@@ -71,6 +72,32 @@ def test_the_verifier_labels_the_draft_version_from_proposals_only(monkeypatch):
         assert v.versions == {"sql": 2} and events == [("sql", 2)]
         await verify([_item("s2", [5], 3)])  # a swap reached the DraftPool
         assert v.versions == {"sql": 3} and events == [("sql", 2), ("sql", 3)]
+
+    asyncio.run(main())
+
+
+def test_a_rollback_the_router_makes_is_one_row_and_shown_at_once(monkeypatch):
+    """Disaggregated, a rollback wrote no rollback row (the colocated replica writes one), and
+    serving_version and the version rows changed only when a proposal from the version came; proposals
+    from replicas not yet swapped then flipped the row back and forth."""
+    pytest.importorskip("ray.serve")
+    import deployments.disagg as dd
+
+    now = [0.0]
+    v, verify, events = _verifier(monkeypatch, now)
+    note = dd.Verifier.func_or_class.note_rollback
+
+    async def main():
+        await verify([_item("s1", [5], 3)])
+        await note(v, "sql", 1, 3)  # back to 1 while 3 was the newest version kept
+        assert v.versions == {"sql": 1} and events == [("sql", 3), ("sql", 1, 1)]  # no traffic needed
+        await verify([_item("s1", [5], 3), _item("s2", [5], 1), _item("s3", [6], 2)])  # replicas swapping
+        assert v.versions == {"sql": 1} and events == [("sql", 3), ("sql", 1, 1)]
+        await verify([_item("s1", [5], 4)])  # a version published since the rollback
+        assert v.versions == {"sql": 4} and events[-1] == ("sql", 4)
+        now[0] = dd.ROLLBACK_GRACE_S + 1  # past the grace, any version change is a row again
+        await verify([_item("s1", [5], 2)])
+        assert v.versions == {"sql": 2} and events[-1] == ("sql", 2)
 
     asyncio.run(main())
 

@@ -11,7 +11,7 @@ Layout under ``root``:
 A replica's private stores live under versions_dir/replicas/slot-N/<expert>, a slot it holds by a
 lock on slot-N/.owner while it lives (claim_slot).
 A version's parent is the one current when it was published (what it was trained from): the
-default rollback goes back to it, and pruning keeps it.
+default rollback goes back to it, and pruning keeps it, as it keeps version 0.
 A version directory is written under a temporary name and renamed into place, and the manifest is
 replaced with os.replace, so a crash leaves either the old state or the new one, never a half.
 Only safetensors: nothing here is ever unpickled.
@@ -214,11 +214,13 @@ class VersionStore:
         return self.manifest.get("parents", {}).get(str(version))
 
     def _prune(self) -> list[Path]:
-        """The newest keep_last, and always the current version's parent: after a rollback to v0 and
-        an update from it, v0 is the known-good version the next rollback goes to. Returns the
-        directories to delete once the manifest no longer lists them (_publish)."""
+        """The newest keep_last, always the current version's parent (after a rollback to v0 and an
+        update from it, v0 is the known-good version the next rollback goes to), and always version 0,
+        the draft as configured: `rollback?to=0` reaches it with either backend (ray_train's full-weight
+        versions pruned it after keep_last; the local backend kept it only as its LoRA series' base).
+        Returns the directories to delete once the manifest no longer lists them (_publish)."""
         vs = self.manifest["versions"]
-        keep = set(vs[-self.keep_last :]) | {self.parent(self.current)}
+        keep = set(vs[-self.keep_last :]) | {self.parent(self.current)} | ({0} & set(vs))
         # A LoRA version's adapter is a delta over its base version's weights (meta
         # adapter_base_version): the base stays while any kept version applies over it.
         keep |= {self._adapter_base(v) for v in keep if v is not None} - {None}
@@ -330,6 +332,9 @@ class VersionWatcher:
         self.serving: dict[str, int | None] = {}
         self.failed: set[tuple[str, int]] = set()
         self._lock = threading.Lock()
+        # One swap at a time per watcher: a poll's and a rollback's (rollback()), so neither swaps in an
+        # older version over the other's newer one.
+        self._swapping = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -372,40 +377,54 @@ class VersionWatcher:
                     if self.stores.get(expert) is store:  # not if it was loaded again meanwhile
                         del self.stores[expert], self.serving[expert]
                 continue
-            try:
-                v = store.refresh()
-                if v is None or v == self.serving.get(expert) or (expert, v) in self.failed:
-                    continue
-                state = store.load(v)
-            except SafetensorError as e:  # a damaged file does not heal: say so once, keep serving
-                # It is no OSError: uncaught, it ended the watch thread, and no later version swapped in.
-                self.failed.add((expert, v))
-                logger.error("draft version %s of expert %s is unreadable: %s", v, expert, e)
-                continue
-            except (OSError, ValueError, KeyError):  # being written or pruned as we read: next poll
-                continue
-            if not self._watching(expert, store):
-                # Unloaded, or loaded again while this was read (a whole draft: seconds): watch() gave the
-                # new draft the store's version of then, and this one may be older (one rolled back from).
-                continue
-            try:
-                self.apply(expert, state, v)
-            except Exception as e:  # noqa: BLE001  a version this draft cannot take: keep serving, say so
-                self.failed.add((expert, v))
-                logger.error("draft version %s of expert %s could not be swapped in: %r", v, expert, e)
-                continue
-            with self._lock:
-                # Also when it was loaded again during apply, as the new draft may then have got v: the
-                # next poll swaps the store's version in if that is another one.
-                if expert in self.stores:
-                    self.serving[expert] = v
-            if self.on_swap is not None:
-                self.on_swap(expert, v)
+            with self._swapping:
+                self._poll_one(expert, store)
+
+    def _poll_one(self, expert: str, store: VersionStore) -> None:
+        try:
+            v = store.refresh()
+            if v is None or v == self.serving.get(expert) or (expert, v) in self.failed:
+                return
+            state = store.load(v)
+        except SafetensorError as e:  # a damaged file does not heal: say so once, keep serving
+            # It is no OSError: uncaught, it ended the watch thread, and no later version swapped in.
+            self.failed.add((expert, v))
+            logger.error("draft version %s of expert %s is unreadable: %s", v, expert, e)
+            return
+        except (OSError, ValueError, KeyError):  # being written or pruned as we read: next poll
+            return
+        if not self._watching(expert, store):
+            # Unloaded, or loaded again while this was read (a whole draft: seconds): watch() gave the
+            # new draft the store's version of then, and this one may be older (one rolled back from).
+            return
+        if self._apply(expert, state, v) and self.on_swap is not None:
+            self.on_swap(expert, v)
+
+    def _apply(self, expert: str, state, v: int) -> bool:
+        try:
+            self.apply(expert, state, v)
+        except Exception as e:  # noqa: BLE001  a version this draft cannot take: keep serving, say so
+            self.failed.add((expert, v))
+            logger.error("draft version %s of expert %s could not be swapped in: %r", v, expert, e)
+            return False
+        with self._lock:
+            # Also when it was loaded again during apply, as the new draft may then have got v: the
+            # next poll swaps the store's version in if that is another one.
+            if expert in self.stores:
+                self.serving[expert] = v
+        return True
 
     def rollback(self, expert: str, to: int | None = None) -> int:
-        """Make an older kept version current in the shared store; every watcher (this one at its next
-        poll) swaps it in, and the cluster distiller trains on from it."""
-        return self.stores[expert].rollback(to)[0]
+        """Make an older kept version current in the shared store, and swap it in here now; every other
+        watcher swaps it in at its next poll, and the cluster distiller trains on from it. No on_swap: the
+        caller logs the rollback as one event. Left to the next poll, the swap logged a second version
+        row, or (a poll between the store's write and the caller's event) came first."""
+        with self._swapping:
+            v, state = self.stores[expert].rollback(to)
+            if not self._apply(expert, state, v):
+                raise RuntimeError(f"rollback: draft version {v} of expert {expert!r} is current in the store, "
+                                   f"but this replica could not swap it in (the log has why)")
+            return v
 
     def _loop(self) -> None:
         while not self._stop.wait(self.poll_s):
