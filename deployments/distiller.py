@@ -31,7 +31,7 @@ import ray
 from osd_serve.distill.guard import retire_guard_samples
 from osd_serve.distill.replay import Backoff, BufferConfig, ReplayBuffer
 
-from .train_job import idle_per_node, plan_workers, run_train_job  # noqa: F401  plan_workers: the actors' API
+from .train_job import free_orphaned_train_reservations, idle_per_node, plan_workers, run_train_job  # noqa: F401  plan_workers: the actors' API
 # A controller made by an older osd-serve pickled deployments.distiller.train_loop_per_worker by reference:
 # its Train workers, importing this file, look it up here
 from .train_job import train_loop_per_worker  # noqa: F401,E402
@@ -120,6 +120,7 @@ class _DistillController:
     HEARTBEAT_TTL_S = 30.0  # a replica silent this long is gone (scaled down, dead): its load no longer counts
     MAX_EVENTS = 1000
     WAIT_WARN_S = 300.0  # a due expert waiting this long for idle capacity is warned of
+    SWEEP_S = 30.0  # orphaned Train reservations are looked for at most this often, before a plan
 
     def __init__(self, draft_path: str, versions_dir: str, train_cfg: dict, steps: int, max_workers: int = 4,
                  heldout: int = 16, poll_s: float = 1.0, keep_versions: int = 5, buffer_name: str = BUFFER_NAME,
@@ -138,6 +139,7 @@ class _DistillController:
         self.state = "idle"
         self.waiting: dict[str, tuple[float, bool]] = {}  # a due expert no capacity fits -> (since, warned)
         self.backoff = Backoff()
+        self._swept = -math.inf  # when _free_orphans last looked
         self._stop = threading.Event()
         threading.Thread(target=self._loop, args=(poll_s,), daemon=True).start()
 
@@ -225,6 +227,7 @@ class _DistillController:
                 try:
                     # Inside the try: idle_per_node reads Ray's control store, and one failed read ended this
                     # thread for good while the actor stayed up, idle, with no error to show.
+                    self._free_orphans()
                     plan = plan_workers(idle_per_node(), self.serve_load(), self.settings["max_workers"])
                     if plan is None:  # no spare capacity: the trigger stays due, retried next poll
                         self._no_capacity(expert, why)
@@ -242,15 +245,33 @@ class _DistillController:
                 del self.waiting[expert]
             self._stop.wait(poll_s)
 
+    def _free_orphans(self) -> None:
+        """Frees the reservations of Train jobs whose Train controller died (train_job.py), at most every
+        SWEEP_S: this controller killed mid-job (a restart runs this loop again) left its job's holding
+        the idle capacity, and it waited for capacity forever."""
+        now = time.monotonic()
+        if now - self._swept < self.SWEEP_S:
+            return
+        self._swept = now
+        try:
+            freed = free_orphaned_train_reservations()
+        except Exception as e:  # noqa: BLE001  a Ray whose control-store records read otherwise: plan as before
+            logger.debug("distill controller: looking for orphaned Train reservations failed: %r", e)
+            return
+        if freed:
+            logger.warning("distill controller: freed %d Ray Train reservation(s) left by jobs whose Train controller "
+                           "died (%s)", len(freed), ", ".join(freed))
+            self.events.append({"freed_reservations": freed, "time": time.time()})
+
     def _no_capacity(self, expert: str, why: str) -> None:
         """A due expert that no idle capacity can train: shown in the state, and warned of once it has
         waited WAIT_WARN_S. Silent, a controller that could never plan (every CPU and GPU held by
-        serving, or by a Train job's reservation that outlived a killed controller) looked idle."""
+        serving, or by another job's reservation) looked idle."""
         since, warned = self.waiting.setdefault(expert, (time.monotonic(), False))
         if not warned and time.monotonic() - since > self.WAIT_WARN_S:
             self.waiting[expert] = (since, True)
             logger.warning("distill controller: %s has been due (%s) for %.0f s with no idle capacity to train on: "
-                           "serving holds every CPU and GPU, or a reservation outlived its job (`ray status`, "
+                           "serving holds every CPU and GPU, or another job's reservation does (`ray status`, "
                            "`ray list placement-groups`)", expert, why, time.monotonic() - since)
 
     def _state(self) -> str:

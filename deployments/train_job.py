@@ -45,6 +45,46 @@ def idle_per_node() -> list[dict]:
     return list(available_resources_per_node().values())
 
 
+def orphaned_train_reservations() -> list[str]:
+    """Placement groups (hex ids) that a Ray Train job reserved and nothing will ever use or free: their
+    creator, the job's TrainController, is dead, so its worker group is too. A Train reservation lives
+    as long as the Ray job that made the detached distill controller (the `serve run`), not as long as
+    the controller: one killed mid-job (OOM, its node, an operator) left its job's reservation holding the
+    idle CPUs or GPUs for good, and its restarted self never trained again. Ray Train's own cleaner
+    misses it when the kill comes before the workers started, or without the dashboard's state API.
+    The creator's fields are not in ray.util.placement_group_table(): read from the control store's
+    records, as idle_per_node does."""
+    from ray._private.state import actors, state
+    from ray.core.generated import gcs_pb2
+
+    live = {gcs_pb2.PlacementGroupTableData.PENDING, gcs_pb2.PlacementGroupTableData.PREPARED,
+            gcs_pb2.PlacementGroupTableData.CREATED, gcs_pb2.PlacementGroupTableData.RESCHEDULING}
+    out = []
+    for raw in state._connect_and_get_accessor().get_placement_group_table():
+        pg = gcs_pb2.PlacementGroupTableData.FromString(raw)
+        if pg.is_detached or pg.state not in live or not pg.creator_actor_dead:
+            continue
+        creator = actors(actor_id=pg.creator_actor_id.hex()) or {}
+        if creator.get("ActorClassName") == "TrainController" and creator.get("State") == "DEAD":
+            out.append(pg.placement_group_id.hex())
+    return out
+
+
+def free_orphaned_train_reservations() -> list[str]:
+    """Removes orphaned_train_reservations(); returns the ids removed."""
+    import ray
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    freed = []
+    for pg_id in orphaned_train_reservations():
+        try:
+            remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
+            freed.append(pg_id)
+        except Exception:  # noqa: BLE001  removed meanwhile (Ray Train's own cleaner): nothing left to free
+            continue
+    return freed
+
+
 def train_loop_per_worker(config: dict) -> None:
     """One Ray Train worker: its share of the records, gradients all-reduced across workers."""
     import ray.train

@@ -1,6 +1,7 @@
 """A due expert that no idle capacity can train: the controller says so (its state, and a warning once
 it has waited WAIT_WARN_S). It looked idle, with no job and no error, when a Train job's reservation
-outlived a killed controller and held the only CPUs, so it never trained again, unsaid."""
+outlived a killed controller and held the only CPUs, so it never trained again, unsaid. Such a
+reservation is now freed before the controller plans."""
 
 from __future__ import annotations
 
@@ -27,3 +28,40 @@ def test_a_due_expert_without_capacity_is_shown_and_warned_of(plain_ray, monkeyp
     ctrl._stop = _polls(1)
     ctrl._loop(0)
     assert len(trains) == 1 and ctrl.waiting == {} and ctrl.status()["state"] == "idle"
+
+
+def test_a_reservation_a_killed_job_left_is_freed_before_the_plan(plain_ray, monkeypatch, tmp_path, draft_dir, caplog):
+    """Killed mid-job, a controller's Train reservation outlived it and held the only CPUs: restarted, it
+    found no capacity and waited for good. It now frees reservations whose Train controller died before
+    it plans (at most every SWEEP_S), says so, and trains on what they held."""
+    ctrl, trains, _ = _controller(plain_ray, monkeypatch, tmp_path, draft_dir)
+    orphans = ["aa01"]
+
+    def free():
+        freed, orphans[:] = list(orphans), []
+        return freed
+
+    monkeypatch.setattr(dist, "free_orphaned_train_reservations", free)
+    monkeypatch.setattr(dist, "idle_per_node", lambda: [{"CPU": 0.0 if orphans else 2.0}])  # the orphan held both CPUs
+    sweeps = []
+    real = ctrl._free_orphans
+    monkeypatch.setattr(ctrl, "_free_orphans", lambda: (sweeps.append(1), real()))
+    _fill(plain_ray, 12, heldout=4)
+    dist.logger.addHandler(caplog.handler)  # Ray's "ray.serve" logger does not propagate to the root's
+    try:
+        ctrl._stop = _polls(1)
+        ctrl._loop(0)
+    finally:
+        dist.logger.removeHandler(caplog.handler)
+    assert len(trains) == 1 and ctrl.waiting == {}
+    assert ctrl.history()[0]["freed_reservations"] == ["aa01"] and ctrl.history()[1]["published"]
+    assert "freed 1 Ray Train reservation(s) left by jobs whose Train controller died (aa01)" in caplog.text
+    orphans.append("bb02")  # another, within SWEEP_S of the last look: not looked for yet
+    _fill(plain_ray, 12, heldout=4)
+    ctrl._stop = _polls(1)
+    ctrl._loop(0)
+    assert len(sweeps) == 2 and orphans == ["bb02"] and len(trains) == 1 and ctrl.waiting
+    ctrl._swept -= ctrl.SWEEP_S
+    ctrl._stop = _polls(1)
+    ctrl._loop(0)
+    assert orphans == [] and len(trains) == 2

@@ -89,6 +89,49 @@ def test_capacity_is_counted_per_node():
     assert plan_workers([{"CPU": 0.75}, {"CPU": 1.0}], serve_load=0.1)["num_workers"] == 3
 
 
+class TrainController:
+    """Named as Ray Train's controller actor is: only its reservations count as a Train job's."""
+
+    def reserve(self) -> str:
+        from ray.util import placement_group
+
+        self.pg = placement_group([{"CPU": 0.5}])
+        ray.get(self.pg.ready(), timeout=60)
+        return self.pg.id.hex()
+
+
+class Serving(TrainController):
+    pass
+
+
+def test_a_dead_train_controllers_reservation_is_found_and_freed(cluster):
+    """A Train job's reservation lives as long as the Ray job that made the detached distill controller:
+    with the job's TrainController dead (the distill controller killed mid-job), it held its CPUs for
+    good. Only those are freed: a live Train job's and a dead actor's of another kind stay."""
+    from ray.util import placement_group_table, remove_placement_group
+    from ray.util.placement_group import PlacementGroup
+
+    from deployments.train_job import free_orphaned_train_reservations, orphaned_train_reservations
+
+    actors = [ray.remote(num_cpus=0)(c).remote() for c in (TrainController, TrainController, Serving)]
+    dead, live, other = ray.get([a.reserve.remote() for a in actors], timeout=120)
+    try:
+        ray.kill(actors[0])
+        ray.kill(actors[2])
+        deadline = time.time() + 30  # the control store marks a creator dead a moment after it dies
+        while not (found := orphaned_train_reservations()) and time.time() < deadline:
+            time.sleep(0.2)
+        assert found == [dead]
+        assert free_orphaned_train_reservations() == [dead]
+        states = {k: v["state"] for k, v in placement_group_table().items()}
+        assert (states[dead], states[live], states[other]) == ("REMOVED", "CREATED", "CREATED")
+        assert orphaned_train_reservations() == []
+    finally:
+        for pg in (live, other):
+            remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg))))
+        ray.kill(actors[1])
+
+
 @pytest.fixture(scope="module")
 def data(tok, tmp_path_factory):
     target = llama(len(tok), seed=0)
@@ -188,3 +231,52 @@ def test_a_redeploy_reconfigures_the_detached_actors(cluster, gpus_busy, data, t
     finally:
         ray.kill(buf)
         ray.kill(ctl)
+
+
+def test_a_controller_killed_mid_job_frees_its_reservation_once_restarted(cluster, gpus_busy, data, tmp_path):
+    """End to end: the job's reservation outlived the killed controller (the dashboard is off here, so
+    Ray Train's own cleaner cannot tell its controller died), and the restarted one, the same detached
+    actor, frees it when it next plans, then trains and publishes."""
+    from ray.util import placement_group_table
+
+    draft, path, train, held, vocab = data
+    versions = tmp_path / "versions"
+    buf = ReplayBufferActor.options(name=BUFFER_NAME, get_if_exists=True).remote(
+        {"max_bytes": 1 << 30, "trigger_records": len(train) + len(held), "trigger_age_s": 3600})
+    ctl = DistillController.options(max_restarts=-1).remote(path, str(versions), {"lr": 3e-3, "time_limit_s": 600}, 10**6,
+                                                            max_workers=1, heldout=12)
+
+    def fill():
+        for r in train + held:
+            ray.get(buf.add.remote("default", r, r.nbytes))
+
+    def reserved():
+        return {k for k, v in placement_group_table().items() if v["state"] != "REMOVED"}
+
+    try:
+        fill()
+        deadline = time.time() + 240
+        while not (job := reserved()) and time.time() < deadline:  # the job's worker group, reserved
+            time.sleep(0.2)
+        assert job, "no Train job started"
+        ray.kill(ctl, no_restart=False)  # mid-job: the actor restarts, its job's Train controller dies with it
+        time.sleep(5)
+        assert reserved() == job  # nothing else frees it
+        deadline = time.time() + 120
+        while time.time() < deadline:  # calls fail until the restarted actor is up
+            try:
+                ray.get(ctl.configure.remote(path, str(versions), {"lr": 3e-3}, 4, max_workers=1, heldout=12), timeout=30)
+                break
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                time.sleep(1)
+        fill()  # the killed job's trigger window is not rearmed: new records make the expert due again
+        deadline, events = time.time() + 300, []
+        while time.time() < deadline and not any("published" in e or "error" in e for e in events):
+            events = ray.get(ctl.history.remote())
+            time.sleep(1)
+        assert [e["freed_reservations"] for e in events if "freed_reservations" in e] == [sorted(job)], events
+        assert events[-1].get("published") is not None and "error" not in events[-1], events
+        assert not job & reserved()
+    finally:
+        ray.kill(ctl)
+        ray.kill(buf)
