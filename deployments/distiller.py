@@ -21,6 +21,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -133,6 +134,10 @@ class _DistillController:
         self.configure(draft_path, versions_dir, train_cfg, steps, max_workers, heldout, keep_versions, save=False,
                        buffer_cfg=buffer_cfg, pair=pair)
         self._load_settings()
+        # Run folders (each a full draft's checkpoint) that jobs of a killed incarnation left; this one runs
+        # none yet, and there is one controller per application, so every one is a dead job's.
+        for run in (self.settings["versions_dir"] / "ray_train").glob("distill-*"):
+            shutil.rmtree(run, ignore_errors=True)
         self.buffer = ray.get_actor(buffer_name, namespace=NAMESPACE)
         self.load: dict[str, tuple[float, float, float]] = {}  # replica -> (ongoing, capacity, time), from heartbeats
         self.events: collections.deque[dict] = collections.deque(maxlen=self.MAX_EVENTS)

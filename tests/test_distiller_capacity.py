@@ -65,3 +65,14 @@ def test_a_reservation_a_killed_job_left_is_freed_before_the_plan(plain_ray, mon
     ctrl._stop = _polls(1)
     ctrl._loop(0)
     assert orphans == [] and len(trains) == 2
+
+
+def test_a_restarted_controller_removes_the_run_folders_its_killed_jobs_left(plain_ray, monkeypatch, tmp_path, draft_dir):
+    """Each Train run's folder holds a full draft's checkpoint, removed when the job returns: a controller
+    killed mid-job left its folder for good."""
+    runs = tmp_path / "versions" / "ray_train"
+    (runs / "distill-123" / "checkpoint_000000").mkdir(parents=True)
+    (runs / "distill-123" / "checkpoint_000000" / "draft.safetensors").write_bytes(b"x" * 1024)
+    (runs / "other").mkdir()  # not a run of this controller's
+    _controller(plain_ray, monkeypatch, tmp_path, draft_dir)  # a restart runs __init__ again
+    assert sorted(p.name for p in runs.iterdir()) == ["other"]

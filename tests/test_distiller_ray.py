@@ -277,6 +277,8 @@ def test_a_controller_killed_mid_job_frees_its_reservation_once_restarted(cluste
         assert [e["freed_reservations"] for e in events if "freed_reservations" in e] == [sorted(job)], events
         assert events[-1].get("published") is not None and "error" not in events[-1], events
         assert not job & reserved()
+        runs = versions / "ray_train"  # the killed job's run folder (a draft's checkpoint) too
+        assert not runs.exists() or not any(p.name.startswith("distill-") for p in runs.iterdir())
     finally:
         ray.kill(ctl)
         ray.kill(buf)
