@@ -16,7 +16,6 @@ itself (its worker count and its TorchTrainer run) is deployments/train_job.py.
 from __future__ import annotations
 
 import asyncio
-import collections
 import json
 import logging
 import math
@@ -30,6 +29,7 @@ from pathlib import Path
 import ray
 
 from osd_serve.distill.guard import retire_guard_samples
+from osd_serve.distill.joblog import JobLog
 from osd_serve.distill.replay import Backoff, BufferConfig, ReplayBuffer
 
 from .train_job import free_orphaned_train_reservations, idle_per_node, plan_workers, run_train_job  # noqa: F401  plan_workers: the actors' API
@@ -140,7 +140,11 @@ class _DistillController:
             shutil.rmtree(run, ignore_errors=True)
         self.buffer = ray.get_actor(buffer_name, namespace=NAMESPACE)
         self.load: dict[str, tuple[float, float, float]] = {}  # replica -> (ongoing, capacity, time), from heartbeats
-        self.events: collections.deque[dict] = collections.deque(maxlen=self.MAX_EVENTS)
+        # Read back after a restart, which now says so: a history that started empty hid the jobs before it.
+        self.events = JobLog(self._settings_path.with_name(EVENTS_FILE), self.MAX_EVENTS)
+        if _restarted():
+            self.events.append({"restarted": "the controller's process died and Ray restarted it; a job it was "
+                                             "running then is lost", "time": time.time()})
         self.state = "idle"
         self.waiting: dict[str, tuple[float, bool]] = {}  # a due expert no capacity fits -> (since, warned)
         self.backoff = Backoff()
@@ -353,6 +357,14 @@ class _DistillController:
 
 
 SETTINGS_FILE = "controller.json"
+EVENTS_FILE = "controller-jobs.jsonl"
+
+
+def _restarted() -> bool:
+    try:
+        return ray.get_runtime_context().was_current_actor_reconstructed
+    except Exception:  # noqa: BLE001  not in an actor (tests drive the class directly)
+        return False
 
 
 DistillController = ray.remote(num_cpus=0)(_DistillController)

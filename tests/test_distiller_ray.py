@@ -275,6 +275,7 @@ def test_a_controller_killed_mid_job_frees_its_reservation_once_restarted(cluste
             events = ray.get(ctl.history.remote())
             time.sleep(1)
         assert [e["freed_reservations"] for e in events if "freed_reservations" in e] == [sorted(job)], events
+        assert [e for e in events if "restarted" in e], events  # the restart itself is in the history
         assert events[-1].get("published") is not None and "error" not in events[-1], events
         assert not job & reserved()
         runs = versions / "ray_train"  # the killed job's run folder (a draft's checkpoint) too
