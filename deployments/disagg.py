@@ -45,6 +45,7 @@ RELEASED_KEPT = 4096  # released ids a replica remembers; a call queued before i
 # After a rollback, DraftPool replicas propose from the version rolled back from until their watcher's
 # next poll (2 s) and the draft's load: such proposals are not logged as a version change for this long.
 ROLLBACK_GRACE_S = 30.0
+NOTE_TIMEOUT_S = 5.0  # how long a rollback waits to tell the Verifier (its answer does not depend on it)
 
 
 def _remember_release(released: OrderedDict[str, None], seq_id: str) -> None:
@@ -473,11 +474,13 @@ class DisaggBackend:
         # version): rolling its manifest back is what they all pick up at their next poll.
         if not self.cfg.distill.enabled:
             raise ValueError("rollback: distill.enabled is false, so there are no draft versions")
-        await self._ensure_ready()  # the Verifier's handle, told below
         store = VersionStore(_versions_dir(self.cfg) / expert)
         version, _ = await asyncio.to_thread(store.rollback, to)
         try:  # the event row and serving_version: the rollback itself is done whatever this does
-            await self.verifier.note_rollback.remote(expert, version, max(store.versions))
+            # Not through _ensure_ready: a Router whose set-up fails can still roll back
+            verifier = getattr(self, "verifier", None) or serve.get_deployment_handle("Verifier", replica_app())
+            # Bounded: with no Verifier replica running (a redeploy, a crash loop) Serve queues the call
+            await asyncio.wait_for(verifier.note_rollback.remote(expert, version, max(store.versions)), NOTE_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001  (a Verifier redeployed without note_rollback, or gone)
             logging.getLogger(__name__).warning("rollback of %s to version %s: the Verifier was not told (%r)",
                                                 expert, version, e)

@@ -20,7 +20,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -32,7 +31,8 @@ from osd_serve.distill.guard import retire_guard_samples
 from osd_serve.distill.joblog import JobLog
 from osd_serve.distill.replay import Backoff, BufferConfig, ReplayBuffer
 
-from .train_job import free_orphaned_train_reservations, idle_per_node, plan_workers, run_train_job  # noqa: F401  plan_workers: the actors' API
+from .train_job import (free_orphaned_train_reservations, idle_per_node, plan_workers, remove_stale_runs,  # noqa: F401  the actors' API
+                        run_train_job, stale_run_age_s)
 # A controller made by an older osd-serve pickled deployments.distiller.train_loop_per_worker by reference:
 # its Train workers, importing this file, look it up here
 from .train_job import train_loop_per_worker  # noqa: F401,E402
@@ -134,10 +134,6 @@ class _DistillController:
         self.configure(draft_path, versions_dir, train_cfg, steps, max_workers, heldout, keep_versions, save=False,
                        buffer_cfg=buffer_cfg, pair=pair)
         self._load_settings()
-        # Run folders (each a full draft's checkpoint) that jobs of a killed incarnation left; this one runs
-        # none yet, and there is one controller per application, so every one is a dead job's.
-        for run in (self.settings["versions_dir"] / "ray_train").glob("distill-*"):
-            shutil.rmtree(run, ignore_errors=True)
         self.buffer = ray.get_actor(buffer_name, namespace=NAMESPACE)
         self.load: dict[str, tuple[float, float, float]] = {}  # replica -> (ongoing, capacity, time), from heartbeats
         # Read back after a restart, which now says so: a history that started empty hid the jobs before it.
@@ -255,17 +251,19 @@ class _DistillController:
             self._stop.wait(poll_s)
 
     def _free_orphans(self) -> None:
-        """Frees the reservations of Train jobs whose Train controller died (train_job.py), at most every
-        SWEEP_S: this controller killed mid-job (a restart runs this loop again) left its job's holding
-        the idle capacity, and it waited for capacity forever."""
+        """What jobs killed with a former incarnation of this controller (a restart runs this loop again)
+        left, at most every SWEEP_S: their reservations (train_job.py), which held the idle capacity while
+        it waited for capacity forever, and their run folders, a full draft each."""
         now = time.monotonic()
         if now - self._swept < self.SWEEP_S:
             return
         self._swept = now
+        settings = self.settings
         try:
-            freed = free_orphaned_train_reservations()
+            remove_stale_runs(settings["versions_dir"] / "ray_train", stale_run_age_s(settings["train_cfg"]))
+            freed = free_orphaned_train_reservations(ray.get_runtime_context().get_job_id())
         except Exception as e:  # noqa: BLE001  a Ray whose control-store records read otherwise: plan as before
-            logger.debug("distill controller: looking for orphaned Train reservations failed: %r", e)
+            logger.debug("distill controller: looking for what killed jobs left failed: %r", e)
             return
         if freed:
             logger.warning("distill controller: freed %d Ray Train reservation(s) left by jobs whose Train controller "

@@ -45,44 +45,81 @@ def idle_per_node() -> list[dict]:
     return list(available_resources_per_node().values())
 
 
-def orphaned_train_reservations() -> list[str]:
+TRAIN_CONTROLLER = ("ray.train.", "TrainController")  # Ray Train v2's controller actor: module prefix, class
+
+
+def orphaned_train_reservations(job_id: str | None = None, creator: tuple[str, str] = TRAIN_CONTROLLER) -> list[str]:
     """Placement groups (hex ids) that a Ray Train job reserved and nothing will ever use or free: their
     creator, the job's TrainController, is dead, so its worker group is too. A Train reservation lives
     as long as the Ray job that made the detached distill controller (the `serve run`), not as long as
     the controller: one killed mid-job (OOM, its node, an operator) left its job's reservation holding the
     idle CPUs or GPUs for good, and its restarted self never trained again. Ray Train's own cleaner
     misses it when the kill comes before the workers started, or without the dashboard's state API.
-    The creator's fields are not in ray.util.placement_group_table(): read from the control store's
-    records, as idle_per_node does."""
-    from ray._private.state import actors, state
+    job_id (hex): only groups that Ray job created (the controller's own: another application's, or
+    another tenant's actor of the same name, is not this controller's to free). creator: the creator's
+    module prefix and class; Ray Train v1 reserves from the distill controller itself, which a restart
+    keeps alive, so its groups are never found. The creator's fields are not in
+    ray.util.placement_group_table(): read from the control store's records, as idle_per_node does."""
+    import ray
+    from ray._private.state import state
     from ray.core.generated import gcs_pb2
 
-    live = {gcs_pb2.PlacementGroupTableData.PENDING, gcs_pb2.PlacementGroupTableData.PREPARED,
-            gcs_pb2.PlacementGroupTableData.CREATED, gcs_pb2.PlacementGroupTableData.RESCHEDULING}
+    Group = gcs_pb2.PlacementGroupTableData
+    live = {Group.PENDING, Group.PREPARED, Group.CREATED, Group.RESCHEDULING}
+    accessor = state._connect_and_get_accessor()
     out = []
-    for raw in state._connect_and_get_accessor().get_placement_group_table():
-        pg = gcs_pb2.PlacementGroupTableData.FromString(raw)
-        if pg.is_detached or pg.state not in live or not pg.creator_actor_dead:
+    for raw in accessor.get_placement_group_table():
+        pg = Group.FromString(raw)
+        if pg.is_detached or pg.state not in live or not pg.creator_actor_dead or ray.ActorID(pg.creator_actor_id).is_nil():
+            continue  # kept; or removed; or its creator lives; or a driver's or a task's
+        if job_id is not None and pg.creator_job_id.hex() != job_id:
             continue
-        creator = actors(actor_id=pg.creator_actor_id.hex()) or {}
-        if creator.get("ActorClassName") == "TrainController" and creator.get("State") == "DEAD":
+        info = accessor.get_actor_info(ray.ActorID(pg.creator_actor_id))
+        actor = gcs_pb2.ActorTableData.FromString(info) if info else None
+        fn = actor.function_descriptor.python_function_descriptor if actor else None
+        if (actor and actor.state == gcs_pb2.ActorTableData.DEAD and fn.class_name == creator[1]
+                and fn.module_name.startswith(creator[0])):
             out.append(pg.placement_group_id.hex())
     return out
 
 
-def free_orphaned_train_reservations() -> list[str]:
-    """Removes orphaned_train_reservations(); returns the ids removed."""
+def free_orphaned_train_reservations(job_id: str | None = None, creator: tuple[str, str] = TRAIN_CONTROLLER) -> list[str]:
+    """Removes orphaned_train_reservations(job_id, creator); returns the ids removed."""
     import ray
     from ray.util.placement_group import PlacementGroup, remove_placement_group
 
     freed = []
-    for pg_id in orphaned_train_reservations():
+    for pg_id in orphaned_train_reservations(job_id, creator):
         try:
             remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
             freed.append(pg_id)
         except Exception:  # noqa: BLE001  removed meanwhile (Ray Train's own cleaner): nothing left to free
             continue
     return freed
+
+
+def stale_run_age_s(train_cfg: dict) -> float:
+    """How old a run folder (ray_train/distill-<start ns>) must be to belong to a job no longer running:
+    past its time limit and its workers' set-up (the collective timeout), twice over."""
+    limit = train_cfg.get("time_limit_s") or 1800
+    return 2 * (limit + max(COLLECTIVE_FLOOR_S, limit))
+
+
+def remove_stale_runs(storage: str | os.PathLike, older_than_s: float) -> list[str]:
+    """Removes run folders (a full draft's checkpoint each) started over older_than_s ago, which a job
+    killed with its controller left: run_train_job removes its own when it returns. By age, not all at a
+    restart: another cluster's controller sharing versions_dir (a zero-downtime upgrade) may be running
+    one. Returns the names removed."""
+    removed = []
+    for run in Path(storage).glob("distill-*"):
+        try:
+            started = int(run.name.removeprefix("distill-")) / 1e9
+        except ValueError:
+            continue
+        if time.time() - started > older_than_s:
+            shutil.rmtree(run, ignore_errors=True)
+            removed.append(run.name)
+    return removed
 
 
 def train_loop_per_worker(config: dict) -> None:

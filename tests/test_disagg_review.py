@@ -231,31 +231,36 @@ def test_a_draft_replica_lacking_the_expert_at_a_later_step_is_a_503_too(tok, st
         assert r.status_code == 503 and body["code"] == "expert_not_loaded" and r.headers["retry-after"] == "1", r.text
 
 
-@pytest.mark.parametrize("verifier_fails", [False, True])
-def test_a_rollback_tells_the_verifier_and_survives_its_failure(tmp_path, monkeypatch, caplog, verifier_fails):
+@pytest.mark.parametrize("verifier", ["told", "fails", "hangs"])
+def test_a_rollback_tells_the_verifier_and_survives_its_failure(tmp_path, monkeypatch, caplog, verifier):
     """Disaggregated, a rollback rolled the shared store back and wrote no event row: the Verifier, which
     logs the versions, saw nothing until proposals of the version came. It is now told (note_rollback),
-    with the newest version kept; one that cannot be told leaves the rollback done, with a warning."""
+    with the newest version kept; one that fails or never answers (no replica running: Serve queues the
+    call) leaves the rollback done and answered, with a warning. A Router not set up yet rolls back too."""
     import torch
 
     import deployments.disagg as dd
     from osd_serve.distill.versions import VersionStore
 
-    monkeypatch.setattr(dd, "replica_app", lambda: None)
+    monkeypatch.setattr(dd, "replica_app", lambda: "app1")
+    monkeypatch.setattr(dd, "NOTE_TIMEOUT_S", 0.2)
     cfg = AppConfig(distill={"backend": "ray_train", "versions_dir": str(tmp_path)})
-    store = VersionStore(tmp_path / "sql")
+    store = VersionStore(tmp_path / "app1" / "sql")
     for i in range(3):
         store.publish({"w": torch.full((2,), float(i))})
-    told = []
+    told, handles = [], []
 
     async def note_rollback(*args):
-        if verifier_fails:
+        if verifier == "fails":
             raise RuntimeError("Verifier replica gone")
+        if verifier == "hangs":
+            await asyncio.sleep(3600)
         told.append(args)
 
-    backend = dd.DisaggBackend(cfg)
-    backend._ready, backend.verifier = True, SimpleNamespace(note_rollback=SimpleNamespace(remote=note_rollback))
-    assert asyncio.run(backend.admin_rollback("sql", None)) == {"expert": "sql", "serving_version": 1}
-    assert VersionStore(tmp_path / "sql").current == 1
-    assert told == ([] if verifier_fails else [("sql", 1, 2)])
-    assert ("the Verifier was not told" in caplog.text) == verifier_fails
+    handle = SimpleNamespace(note_rollback=SimpleNamespace(remote=note_rollback))
+    monkeypatch.setattr(dd.serve, "get_deployment_handle", lambda name, app: handles.append((name, app)) or handle)
+    backend = dd.DisaggBackend(cfg)  # never set up: its set-up may be what fails
+    assert asyncio.run(asyncio.wait_for(backend.admin_rollback("sql", None), 10)) == {"expert": "sql", "serving_version": 1}
+    assert VersionStore(tmp_path / "app1" / "sql").current == 1 and handles == [("Verifier", "app1")]
+    assert told == ([("sql", 1, 2)] if verifier == "told" else [])
+    assert ("the Verifier was not told" in caplog.text) == (verifier != "told")

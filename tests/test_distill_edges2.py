@@ -207,3 +207,35 @@ def test_the_lora_adapter_starts_from_the_configured_seed_whatever_drew_before(m
     torch.manual_seed(1234)
     torch.rand(1)
     assert torch.equal(after_a, torch.rand(1))  # the build drew nothing from the caller's stream
+
+
+def test_a_rollback_during_a_polls_read_does_not_end_on_the_version_it_left(tmp_path):
+    """A poll reading version 1 (a whole draft: seconds) while an admin rolled back to 0: the rollback swapped
+    0 in, then the poll swapped 1 in over it, and the replica served the version rolled back from (and
+    logged it) until its next poll. Swaps are one at a time: the rollback waits for the poll's."""
+    import time
+
+    applied = []
+    w = VersionWatcher(tmp_path, lambda e, st, v: applied.append(v), poll_s=3600)
+    assert w.watch("sql", lambda: {"w": torch.zeros(2)}) == (0, None)
+    VersionStore(tmp_path / "sql").publish({"w": torch.ones(2)})  # v1, by the controller
+    store, reading, release = w.stores["sql"], threading.Event(), threading.Event()
+    real_load = store.load
+
+    def slow_load(version=None):
+        if threading.current_thread().name == "poll":
+            reading.set()
+            release.wait(10)
+        return real_load(version)
+
+    store.load = slow_load
+    poll = threading.Thread(target=w.poll, name="poll")
+    poll.start()
+    assert reading.wait(10)  # the poll has read the manifest (v1 current) and is loading v1
+    rollback = threading.Thread(target=lambda: w.rollback("sql", 0))
+    rollback.start()
+    time.sleep(0.3)  # unlocked, the rollback swapped 0 in here, before the poll's 1
+    release.set()
+    poll.join(10)
+    rollback.join(10)
+    assert applied == [1, 0] and w.serving["sql"] == 0 and store.current == 0

@@ -34,12 +34,22 @@ def test_a_reservation_a_killed_job_left_is_freed_before_the_plan(plain_ray, mon
     """Killed mid-job, a controller's Train reservation outlived it and held the only CPUs: restarted, it
     found no capacity and waited for good. It now frees reservations whose Train controller died before
     it plans (at most every SWEEP_S), says so, and trains on what they held."""
-    ctrl, trains, _ = _controller(plain_ray, monkeypatch, tmp_path, draft_dir)
-    orphans = ["aa01"]
+    import time
+    from types import SimpleNamespace
 
-    def free():
+    ctrl, trains, _ = _controller(plain_ray, monkeypatch, tmp_path, draft_dir)
+    orphans, asked = ["aa01"], []
+    monkeypatch.setattr(dist.ray, "get_runtime_context", lambda: SimpleNamespace(get_job_id=lambda: "02000000"), raising=False)
+
+    def free(job_id):
+        asked.append(job_id)  # only its own Ray job's reservations
         freed, orphans[:] = list(orphans), []
         return freed
+
+    runs = tmp_path / "versions" / "ray_train"  # a killed job's run folder (a draft each), and a live one's
+    old, young = f"distill-{time.time_ns() - 3 * 3600 * 10**9}", f"distill-{time.time_ns()}"
+    for name in (old, young, "other"):
+        (runs / name).mkdir(parents=True)
 
     monkeypatch.setattr(dist, "free_orphaned_train_reservations", free)
     monkeypatch.setattr(dist, "idle_per_node", lambda: [{"CPU": 0.0 if orphans else 2.0}])  # the orphan held both CPUs
@@ -53,7 +63,8 @@ def test_a_reservation_a_killed_job_left_is_freed_before_the_plan(plain_ray, mon
         ctrl._loop(0)
     finally:
         dist.logger.removeHandler(caplog.handler)
-    assert len(trains) == 1 and ctrl.waiting == {}
+    assert len(trains) == 1 and ctrl.waiting == {} and asked == ["02000000"]
+    assert sorted(p.name for p in runs.iterdir()) == sorted([young, "other"])  # 3 h old: a dead job's
     assert ctrl.history()[0]["freed_reservations"] == ["aa01"] and ctrl.history()[1]["published"]
     assert "freed 1 Ray Train reservation(s) left by jobs whose Train controller died (aa01)" in caplog.text
     orphans.append("bb02")  # another, within SWEEP_S of the last look: not looked for yet
@@ -65,14 +76,3 @@ def test_a_reservation_a_killed_job_left_is_freed_before_the_plan(plain_ray, mon
     ctrl._stop = _polls(1)
     ctrl._loop(0)
     assert orphans == [] and len(trains) == 2
-
-
-def test_a_restarted_controller_removes_the_run_folders_its_killed_jobs_left(plain_ray, monkeypatch, tmp_path, draft_dir):
-    """Each Train run's folder holds a full draft's checkpoint, removed when the job returns: a controller
-    killed mid-job left its folder for good."""
-    runs = tmp_path / "versions" / "ray_train"
-    (runs / "distill-123" / "checkpoint_000000").mkdir(parents=True)
-    (runs / "distill-123" / "checkpoint_000000" / "draft.safetensors").write_bytes(b"x" * 1024)
-    (runs / "other").mkdir()  # not a run of this controller's
-    _controller(plain_ray, monkeypatch, tmp_path, draft_dir)  # a restart runs __init__ again
-    assert sorted(p.name for p in runs.iterdir()) == ["other"]

@@ -115,17 +115,20 @@ def test_a_dead_train_controllers_reservation_is_found_and_freed(cluster):
 
     actors = [ray.remote(num_cpus=0)(c).remote() for c in (TrainController, TrainController, Serving)]
     dead, live, other = ray.get([a.reserve.remote() for a in actors], timeout=120)
+    job, stand_in = ray.get_runtime_context().get_job_id(), (__name__, "TrainController")
     try:
         ray.kill(actors[0])
         ray.kill(actors[2])
         deadline = time.time() + 30  # the control store marks a creator dead a moment after it dies
-        while not (found := orphaned_train_reservations()) and time.time() < deadline:
+        while not (found := orphaned_train_reservations(job, stand_in)) and time.time() < deadline:
             time.sleep(0.2)
         assert found == [dead]
-        assert free_orphaned_train_reservations() == [dead]
+        assert orphaned_train_reservations(job) == []  # Ray Train's own class only: this one's module is not ray.train
+        assert orphaned_train_reservations("ffffffff", stand_in) == []  # another Ray job's: not this controller's
+        assert free_orphaned_train_reservations(job, stand_in) == [dead]
         states = {k: v["state"] for k, v in placement_group_table().items()}
         assert (states[dead], states[live], states[other]) == ("REMOVED", "CREATED", "CREATED")
-        assert orphaned_train_reservations() == []
+        assert orphaned_train_reservations(job, stand_in) == []
     finally:
         for pg in (live, other):
             remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg))))
@@ -261,7 +264,8 @@ def test_a_controller_killed_mid_job_frees_its_reservation_once_restarted(cluste
         assert job, "no Train job started"
         ray.kill(ctl, no_restart=False)  # mid-job: the actor restarts, its job's Train controller dies with it
         time.sleep(5)
-        assert reserved() == job  # nothing else frees it
+        # Nothing else frees it: Ray Train 2.60's own cleaner asks the dashboard's state API, off here
+        assert reserved() == job
         deadline = time.time() + 120
         while time.time() < deadline:  # calls fail until the restarted actor is up
             try:
@@ -278,8 +282,6 @@ def test_a_controller_killed_mid_job_frees_its_reservation_once_restarted(cluste
         assert [e for e in events if "restarted" in e], events  # the restart itself is in the history
         assert events[-1].get("published") is not None and "error" not in events[-1], events
         assert not job & reserved()
-        runs = versions / "ray_train"  # the killed job's run folder (a draft's checkpoint) too
-        assert not runs.exists() or not any(p.name.startswith("distill-") for p in runs.iterdir())
     finally:
         ray.kill(ctl)
         ray.kill(buf)
