@@ -216,6 +216,7 @@ class _DistillController:
     def _loop(self, poll_s: float) -> None:
         backoff = self.backoff
         while not self._stop.is_set():
+            self._free_orphans()  # due or not: a quiet server's idle capacity is freed too (rate-limited)
             settings = self.settings  # one deploy's: configure() may replace it from another thread
             try:
                 try:
@@ -232,7 +233,6 @@ class _DistillController:
                 try:
                     # Inside the try: idle_per_node reads Ray's control store, and one failed read ended this
                     # thread for good while the actor stayed up, idle, with no error to show.
-                    self._free_orphans()
                     plan = plan_workers(idle_per_node(), self.serve_load(), self.settings["max_workers"])
                     if plan is None:  # no spare capacity: the trigger stays due, retried next poll
                         self._no_capacity(expert, why)
@@ -252,8 +252,8 @@ class _DistillController:
 
     def _free_orphans(self) -> None:
         """What jobs killed with a former incarnation of this controller (a restart runs this loop again)
-        left, at most every SWEEP_S: their reservations (train_job.py), which held the idle capacity while
-        it waited for capacity forever, and their run folders, a full draft each."""
+        left, at most every SWEEP_S, before any plan: their reservations (train_job.py), which held the
+        idle capacity while it waited for capacity forever, and their run folders, a full draft each."""
         now = time.monotonic()
         if now - self._swept < self.SWEEP_S:
             return

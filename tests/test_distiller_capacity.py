@@ -76,3 +76,16 @@ def test_a_reservation_a_killed_job_left_is_freed_before_the_plan(plain_ray, mon
     ctrl._stop = _polls(1)
     ctrl._loop(0)
     assert orphans == [] and len(trains) == 2
+
+
+def test_reservations_are_freed_on_a_quiet_server_too(plain_ray, monkeypatch, tmp_path, draft_dir):
+    """Run only before a plan, the sweep left a killed job's reservation holding idle capacity until traffic
+    made an expert due again (the operator's run: 22 s, and on a quiet server until the next trigger)."""
+    from types import SimpleNamespace
+
+    ctrl, trains, _ = _controller(plain_ray, monkeypatch, tmp_path, draft_dir)
+    monkeypatch.setattr(dist.ray, "get_runtime_context", lambda: SimpleNamespace(get_job_id=lambda: "02000000"), raising=False)
+    monkeypatch.setattr(dist, "free_orphaned_train_reservations", lambda job_id: ["cc03"])
+    ctrl._stop = _polls(1)
+    ctrl._loop(0)  # nothing due
+    assert trains == [] and ctrl.history() == [{"freed_reservations": ["cc03"], "time": ctrl.history()[0]["time"]}]
