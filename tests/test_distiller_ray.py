@@ -262,10 +262,10 @@ def test_a_controller_killed_mid_job_frees_its_reservation_once_restarted(cluste
         while not (job := reserved()) and time.time() < deadline:  # the job's worker group, reserved
             time.sleep(0.2)
         assert job, "no Train job started"
-        ray.kill(ctl, no_restart=False)  # mid-job: the actor restarts, its job's Train controller dies with it
-        time.sleep(5)
-        # Nothing else frees it: Ray Train 2.60's own cleaner asks the dashboard's state API, off here
-        assert reserved() == job
+        # Mid-job: the actor restarts, its job's Train controller dies with it. Ray Train 2.60's own cleaner
+        # asks the dashboard's state API, off here, so only the restarted controller's sweep frees the group
+        # (its freed_reservations entry, below).
+        ray.kill(ctl, no_restart=False)
         deadline = time.time() + 120
         while time.time() < deadline:  # calls fail until the restarted actor is up
             try:
