@@ -121,7 +121,7 @@ class _DistillController:
     HEARTBEAT_TTL_S = 30.0  # a replica silent this long is gone (scaled down, dead): its load no longer counts
     MAX_EVENTS = 1000
     WAIT_WARN_S = 300.0  # a due expert waiting this long for idle capacity is warned of
-    SWEEP_S = 30.0  # orphaned Train reservations are looked for at most this often, before a plan
+    SWEEP_S = 30.0  # what killed jobs left (_free_orphans) is looked for at most this often
 
     def __init__(self, draft_path: str, versions_dir: str, train_cfg: dict, steps: int, max_workers: int = 4,
                  heldout: int = 16, poll_s: float = 1.0, keep_versions: int = 5, buffer_name: str = BUFFER_NAME,
