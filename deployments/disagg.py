@@ -475,7 +475,7 @@ class DisaggBackend:
         if not self.cfg.distill.enabled:
             raise ValueError("rollback: distill.enabled is false, so there are no draft versions")
         store = VersionStore(_versions_dir(self.cfg) / expert)
-        version, _ = await asyncio.to_thread(store.rollback, to)
+        version, _ = await asyncio.to_thread(store.rollback, to, False)  # the Router serves no draft: no load
         try:  # the event row and serving_version: the rollback itself is done whatever this does
             # Not through _ensure_ready: a Router whose set-up fails can still roll back
             verifier = getattr(self, "verifier", None) or serve.get_deployment_handle("Verifier", replica_app())

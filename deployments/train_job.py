@@ -98,11 +98,16 @@ def free_orphaned_train_reservations(job_id: str | None = None, creator: tuple[s
     return freed
 
 
+def collective_timeout_s(train_cfg: dict) -> int:
+    """How long a collective waits before it fails the job: the time limit, never under COLLECTIVE_FLOOR_S
+    (the first agree() also waits for the slowest worker's set-up: its draft load and record fetch)."""
+    return max(COLLECTIVE_FLOOR_S, math.ceil(train_cfg.get("time_limit_s") or 1800))
+
+
 def stale_run_age_s(train_cfg: dict) -> float:
     """How old a run folder (ray_train/distill-<start ns>) must be to belong to a job no longer running:
     past its time limit and its workers' set-up (the collective timeout), twice over."""
-    limit = train_cfg.get("time_limit_s") or 1800
-    return 2 * (limit + max(COLLECTIVE_FLOOR_S, limit))
+    return 2 * ((train_cfg.get("time_limit_s") or 1800) + collective_timeout_s(train_cfg))
 
 
 def remove_stale_runs(storage: str | os.PathLike, older_than_s: float) -> list[str]:
@@ -180,10 +185,9 @@ def run_train_job(plan: dict, record_refs: list, draft_path: str, state_path: st
         train_loop_config={"record_refs": record_refs, "draft_path": draft_path, "state_path": state_path,
                            "train": train_cfg, "steps": steps, "use_gpu": plan["use_gpu"]},
         # A collective that waits this long (a worker hung, or gone without Ray noticing) fails the job:
-        # torch's default is 30 minutes, in which the controller trains nothing else.
-        # Never under COLLECTIVE_FLOOR_S: the first agree() also waits for the slowest worker's set-up (its
-        # draft load and record fetch), and a short limit failed every job of a healthy multi-worker group.
-        torch_config=TorchConfig(timeout_s=max(COLLECTIVE_FLOOR_S, math.ceil(train_cfg.get("time_limit_s") or 1800))),
+        # torch's default is 30 minutes, in which the controller trains nothing else. A floor: a short
+        # limit failed every job of a healthy multi-worker group.
+        torch_config=TorchConfig(timeout_s=collective_timeout_s(train_cfg)),
         scaling_config=ScalingConfig(num_workers=plan["num_workers"], use_gpu=plan["use_gpu"],
                                      resources_per_worker=None if plan["use_gpu"] else {"CPU": plan["cpus_per_worker"]}),
         # controller_failure_limit=0: Ray Train's default (-1) retried a worker group that could not start

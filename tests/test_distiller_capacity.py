@@ -9,17 +9,29 @@ import deployments.distiller as dist
 from tests.test_distiller_mutants import _controller, _fill, _polls, draft_dir, plain_ray  # noqa: F401  fixtures
 
 
+def _loop_logged(ctrl, polls: int, caplog) -> None:
+    """Runs the controller's loop for polls polls, its log in caplog."""
+    dist.logger.addHandler(caplog.handler)  # Ray's "ray.serve" logger does not propagate to the root's
+    try:
+        ctrl._stop = _polls(polls)
+        ctrl._loop(0)
+    finally:
+        dist.logger.removeHandler(caplog.handler)
+
+
+def _in_ray_job(monkeypatch, job_id: str = "02000000") -> None:
+    """plain_ray's `ray` answers the controller's own Ray job id, as in an actor."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(dist.ray, "get_runtime_context", lambda: SimpleNamespace(get_job_id=lambda: job_id), raising=False)
+
+
 def test_a_due_expert_without_capacity_is_shown_and_warned_of(plain_ray, monkeypatch, tmp_path, draft_dir, caplog):
     ctrl, trains, _ = _controller(plain_ray, monkeypatch, tmp_path, draft_dir)
     monkeypatch.setattr(dist, "idle_per_node", lambda: [{"CPU": 0.0}])  # every CPU held
     monkeypatch.setattr(ctrl, "WAIT_WARN_S", 0.0)
     _fill(plain_ray, 12, heldout=4)
-    dist.logger.addHandler(caplog.handler)  # Ray's "ray.serve" logger does not propagate to the root's
-    try:
-        ctrl._stop = _polls(3)
-        ctrl._loop(0)
-    finally:
-        dist.logger.removeHandler(caplog.handler)
+    _loop_logged(ctrl, 3, caplog)
     assert trains == [] and ctrl.history() == []
     assert ctrl.status()["state"].startswith("waiting for idle capacity: default due for "), ctrl.status()
     assert ctrl.report()["state"].startswith("waiting for idle capacity: default due for ")  # /admin/experts' view
@@ -32,14 +44,13 @@ def test_a_due_expert_without_capacity_is_shown_and_warned_of(plain_ray, monkeyp
 
 def test_a_reservation_a_killed_job_left_is_freed_before_the_plan(plain_ray, monkeypatch, tmp_path, draft_dir, caplog):
     """Killed mid-job, a controller's Train reservation outlived it and held the only CPUs: restarted, it
-    found no capacity and waited for good. It now frees reservations whose Train controller died before
-    it plans (at most every SWEEP_S), says so, and trains on what they held."""
+    found no capacity and waited for good. It now frees reservations whose Train controller died (at
+    most every SWEEP_S), says so, and trains on what they held."""
     import time
-    from types import SimpleNamespace
 
     ctrl, trains, _ = _controller(plain_ray, monkeypatch, tmp_path, draft_dir)
     orphans, asked = ["aa01"], []
-    monkeypatch.setattr(dist.ray, "get_runtime_context", lambda: SimpleNamespace(get_job_id=lambda: "02000000"), raising=False)
+    _in_ray_job(monkeypatch)
 
     def free(job_id):
         asked.append(job_id)  # only its own Ray job's reservations
@@ -57,12 +68,7 @@ def test_a_reservation_a_killed_job_left_is_freed_before_the_plan(plain_ray, mon
     real = ctrl._free_orphans
     monkeypatch.setattr(ctrl, "_free_orphans", lambda: (sweeps.append(1), real()))
     _fill(plain_ray, 12, heldout=4)
-    dist.logger.addHandler(caplog.handler)  # Ray's "ray.serve" logger does not propagate to the root's
-    try:
-        ctrl._stop = _polls(1)
-        ctrl._loop(0)
-    finally:
-        dist.logger.removeHandler(caplog.handler)
+    _loop_logged(ctrl, 1, caplog)
     assert len(trains) == 1 and ctrl.waiting == {} and asked == ["02000000"]
     assert sorted(p.name for p in runs.iterdir()) == sorted([young, "other"])  # 3 h old: a dead job's
     assert ctrl.history()[0]["freed_reservations"] == ["aa01"] and ctrl.history()[1]["published"]
@@ -81,10 +87,8 @@ def test_a_reservation_a_killed_job_left_is_freed_before_the_plan(plain_ray, mon
 def test_reservations_are_freed_on_a_quiet_server_too(plain_ray, monkeypatch, tmp_path, draft_dir):
     """Run only before a plan, the sweep left a killed job's reservation holding idle capacity until traffic
     made an expert due again (the operator's run: 22 s, and on a quiet server until the next trigger)."""
-    from types import SimpleNamespace
-
     ctrl, trains, _ = _controller(plain_ray, monkeypatch, tmp_path, draft_dir)
-    monkeypatch.setattr(dist.ray, "get_runtime_context", lambda: SimpleNamespace(get_job_id=lambda: "02000000"), raising=False)
+    _in_ray_job(monkeypatch)
     monkeypatch.setattr(dist, "free_orphaned_train_reservations", lambda job_id: ["cc03"])
     ctrl._stop = _polls(1)
     ctrl._loop(0)  # nothing due

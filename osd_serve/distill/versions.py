@@ -240,12 +240,12 @@ class VersionStore:
         self._check_kept(version)
         return load_file(str(self.path(version) / "draft.safetensors"))
 
-    def rollback(self, to: int | None = None) -> tuple[int, dict[str, torch.Tensor]]:
+    def rollback(self, to: int | None = None, load: bool = True) -> tuple[int, dict[str, torch.Tensor] | None]:
         """Make a kept version current (default: the current one's parent, the version it was trained
-        from); returns it and its weights."""
+        from); returns it and its weights (None with load=False: a caller that serves no draft)."""
         with self._locked():
             to = self._rollback_target(to)
-            state = self.load(to)
+            state = self.load(to) if load else None
             self._make_current(to)
             return to, state
 
