@@ -28,7 +28,7 @@ from pathlib import Path
 import ray
 
 from osd_serve.distill.guard import retire_guard_samples
-from osd_serve.distill.joblog import JobLog
+from osd_serve.distill.joblog import JobLog, json_safe
 from osd_serve.distill.replay import Backoff, BufferConfig, ReplayBuffer
 
 from .train_job import (free_orphaned_train_reservations, idle_per_node, plan_workers, remove_stale_runs,  # noqa: F401  the actors' API
@@ -62,13 +62,16 @@ class _ReplayBufferActor:
         # with its creation's arguments, and a creation pair would then refuse every record of the pair a
         # redeploy has moved to, silently (records are fire and forget).
         self.pair: list[str] | None = None
+        # expert -> the trigger window a job took and has not finished or put back (rearm). A controller killed
+        # mid-job does neither: its restart puts it back (rearm_taken), not a whole new trigger later.
+        self.taken: dict[str, tuple] = {}
 
     def configure(self, cfg: dict, pair: list[str] | None = None) -> None:
         """The actor is detached and outlives the app: a redeploy brings its config here, and a
         redeploy onto another pair empties the buffer."""
         if self._another_pair(pair):
             logger.warning("replay buffer: the pair changed from %s to %s; its records are dropped", self.pair, pair)
-            self.buffer = ReplayBuffer(BufferConfig(**cfg))
+            self.buffer, self.taken = ReplayBuffer(BufferConfig(**cfg)), {}
         else:
             self.buffer.reconfigure(BufferConfig(**cfg))
         self.pair = pair if pair is not None else self.pair
@@ -95,11 +98,25 @@ class _ReplayBufferActor:
         """All refs of the expert's shard, oldest first, which are guard samples, and the trigger window
         this closes (a new one starts; ``rearm`` puts it back if the job fails)."""
         shard = self.buffer.shard(expert)
-        window = shard.mark_updated()
+        if expert in self.taken:  # taken by a job never finished (its controller killed): this window holds it too
+            shard.rearm(self.taken.pop(expert))
+        window = self.taken[expert] = shard.mark_updated()
         return [r.ref[0] for r in shard.records], [r.heldout for r in shard.records], window
 
+    def finish(self, expert: str) -> None:  # the job that took the window ended: published, refused or skipped
+        self.taken.pop(expert, None)
+
     def rearm(self, expert: str, window: tuple) -> None:
+        self.taken.pop(expert, None)
         self.buffer.shard(expert).rearm(window)
+
+    def rearm_taken(self) -> dict[str, int]:
+        """Put back every window still taken: called by a controller as it starts, when no job of its can be
+        running, so these are its former incarnation's, killed mid-job. Returns expert -> records put back."""
+        taken, self.taken = self.taken, {}
+        for expert, window in taken.items():
+            self.buffer.shard(expert).rearm(window)
+        return {expert: window[0] for expert, window in taken.items()}
 
     def retire(self, expert: str, refs: list) -> None:
         """refs: guard samples an update trained on and published (guard.retire_guard_samples)."""
@@ -211,11 +228,12 @@ class _DistillController:
         """What /admin/experts shows of the controller: its state and its last jobs (published or refused,
         with the guard's reason and scores, or the error). Without it, a controller whose every job failed
         looked the same as an idle one. JSON-safe: a guard's NaN score is null."""
-        return _json_safe({"state": self._state(), "serve_load": self.serve_load(), "jobs": list(self.events)[-jobs:]})
+        return json_safe({"state": self._state(), "serve_load": self.serve_load(), "jobs": list(self.events)[-jobs:]})
 
     def _loop(self, poll_s: float) -> None:
-        backoff = self.backoff
+        backoff, rearmed = self.backoff, False
         while not self._stop.is_set():
+            rearmed = rearmed or self._rearm_killed()  # before any take: once, with the buffer reachable
             self._free_orphans()  # due or not: a quiet server's idle capacity is freed too (rate-limited)
             settings = self.settings  # one deploy's: configure() may replace it from another thread
             try:
@@ -249,6 +267,22 @@ class _DistillController:
             for expert in set(self.waiting) - set(due):  # trained, or no longer due
                 del self.waiting[expert]
             self._stop.wait(poll_s)
+
+    def _rearm_killed(self) -> bool:
+        """Puts back the trigger windows of jobs killed with this controller's former process (due again at
+        once, not a whole trigger later). False: the buffer did not answer, asked again at the next poll."""
+        try:
+            rearmed = ray.get(self.buffer.rearm_taken.remote())
+        except AttributeError:  # a buffer made by an older osd-serve keeps no taken windows
+            return True
+        except Exception as e:  # noqa: BLE001  the buffer restarting (it then holds no records to rearm anyway)
+            logger.debug("distill controller: rearming killed jobs' triggers failed: %r", e)
+            return False
+        if rearmed:
+            logger.warning("distill controller: the trigger windows of jobs killed with the controller's former "
+                           "process are due again: %s", rearmed)
+            self.events.append({"rearmed": rearmed, "time": time.time()})
+        return True
 
     def _free_orphans(self) -> None:
         """What jobs killed with a former incarnation of this controller (a restart runs this loop again)
@@ -291,10 +325,12 @@ class _DistillController:
     def _update(self, expert: str, why: str, plan: dict) -> dict:
         refs, flags, window = ray.get(self.buffer.take.remote(expert))
         try:
-            return self._job(expert, why, plan, refs, flags)
+            event = self._job(expert, why, plan, refs, flags)
         except Exception:
             self.buffer.rearm.remote(expert, window)  # retried after the loop's back-off, not a whole trigger later
             raise
+        self.buffer.finish.remote(expert)  # its window is used up: a later restart does not put it back
+        return event
 
     def _job(self, expert: str, why: str, plan: dict, refs: list, flags: list[bool]) -> dict:
         from osd_serve.distill.guard import GuardConfig, check, split_for_guard
@@ -366,17 +402,6 @@ def _restarted() -> bool:
 
 
 DistillController = ray.remote(num_cpus=0)(_DistillController)
-
-
-def _json_safe(obj):
-    """obj with every non-finite float as None (JSON has no NaN: the route's encoder answered 500)."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_json_safe(v) for v in obj]
-    return obj
 
 
 async def controller_report(controller=None) -> dict:

@@ -239,3 +239,41 @@ def test_a_rollback_during_a_polls_read_does_not_end_on_the_version_it_left(tmp_
     poll.join(10)
     rollback.join(10)
     assert applied == [1, 0] and w.serving["sql"] == 0 and store.current == 0
+
+
+def test_a_rollback_this_replica_cannot_swap_in_changes_nothing(tmp_path):
+    """A ray_train rollback moved the shared store first, then failed to swap the version in here: the
+    admin got a 500 while every other replica followed the store to the version, and the controller trained
+    on from it. Swapped in first, the refusal leaves the store where it was; a publish meanwhile is a 409,
+    and this replica's next poll swaps the newer version in."""
+    applied = []
+
+    def apply(expert, state, v):
+        if float(state["w"][0]) == 0.5:  # a version this draft refuses
+            raise RuntimeError("size mismatch")
+        applied.append(v)
+
+    w = VersionWatcher(tmp_path, apply, poll_s=3600)
+    w.watch("sql", lambda: {"w": torch.zeros(2)})
+    store = VersionStore(tmp_path / "sql")
+    store.publish({"w": torch.full((2,), 0.5)})  # v1, which this replica cannot take
+    store.publish({"w": torch.ones(2)})  # v2, from v1
+    w.poll()
+    assert applied == [2] and w.serving["sql"] == 2
+    with pytest.raises(RuntimeError, match="nothing changed, version 2 is still current"):
+        w.rollback("sql", 1)
+    assert store.refresh() == 2 and w.serving["sql"] == 2 and applied == [2]
+    real_apply = w.apply
+
+    def publish_meanwhile(expert, state, v):
+        real_apply(expert, state, v)
+        VersionStore(tmp_path / "sql").publish({"w": torch.full((2,), 3.0)})  # v3, by the controller
+
+    w.apply = publish_meanwhile
+    with pytest.raises(ValueError, match="published meanwhile"):
+        w.rollback("sql", 0)
+    w.apply = real_apply
+    assert store.refresh() == 3 and applied == [2, 0]
+    w.poll()
+    assert applied == [2, 0, 3] and w.serving["sql"] == 3
+    w.close()

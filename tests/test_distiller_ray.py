@@ -239,7 +239,7 @@ def test_a_redeploy_reconfigures_the_detached_actors(cluster, gpus_busy, data, t
 def test_a_controller_killed_mid_job_frees_its_reservation_once_restarted(cluster, gpus_busy, data, tmp_path):
     """End to end: the job's reservation outlived the killed controller (the dashboard is off here, so
     Ray Train's own cleaner cannot tell its controller died), and the restarted one, the same detached
-    actor, frees it when it next plans, then trains and publishes."""
+    actor, frees it when it next plans, then trains the records the killed job took and publishes."""
     from ray.util import placement_group_table
 
     draft, path, train, held, vocab = data
@@ -265,15 +265,18 @@ def test_a_controller_killed_mid_job_frees_its_reservation_once_restarted(cluste
         # Mid-job: the actor restarts, its job's Train controller dies with it. Ray Train 2.60's own cleaner
         # asks the dashboard's state API, off here, so only the restarted controller's sweep frees the group
         # (its freed_reservations entry, below).
+        # A short job next, from settings saved now (the job running keeps its own): the restarted actor reads them
+        # back and takes the rearmed window at its first poll, before any call of the test's could reach it.
+        ray.get(ctl.configure.remote(path, str(versions), {"lr": 3e-3}, 4, max_workers=1, heldout=12), timeout=30)
         ray.kill(ctl, no_restart=False)
         deadline = time.time() + 120
         while time.time() < deadline:  # calls fail until the restarted actor is up
             try:
-                ray.get(ctl.configure.remote(path, str(versions), {"lr": 3e-3}, 4, max_workers=1, heldout=12), timeout=30)
+                assert ray.get(ctl.status.remote(), timeout=30)["settings"]["steps"] == 4
                 break
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 time.sleep(1)
-        fill()  # the killed job's trigger window is not rearmed: new records make the expert due again
+        # no new records: the killed job's trigger window is put back, so the expert is due again at once
         deadline, events = time.time() + 300, []
         # A sweep that ran before the control store marked the Train controller dead finds it at the next
         # (SWEEP_S later), which may come after the next job: wait for both
@@ -283,6 +286,7 @@ def test_a_controller_killed_mid_job_frees_its_reservation_once_restarted(cluste
             time.sleep(1)
         assert [e["freed_reservations"] for e in events if "freed_reservations" in e] == [sorted(job)], events
         assert [e for e in events if "restarted" in e], events  # the restart itself is in the history
+        assert [e["rearmed"] for e in events if "rearmed" in e] == [{"default": len(train) + len(held)}], events
         jobs = [e for e in events if "published" in e or "error" in e]
         assert jobs and jobs[-1].get("published") is not None and "error" not in jobs[-1], events
         assert not job & reserved()

@@ -133,3 +133,56 @@ def test_actors_made_by_an_older_osd_serve_still_connect_and_poll(plain_ray, mon
     ctrl._stop = _polls(1)
     ctrl._loop(0)
     assert trained == ["default"]
+
+
+class _Killed(BaseException):
+    """The controller's process dying mid-job: no except clause of its runs (neither rearm nor finish)."""
+
+
+def test_a_job_killed_with_its_controller_is_due_again_when_the_controller_restarts(plain_ray, monkeypatch, tmp_path,
+                                                                                    draft_dir):
+    """take() closed the expert's trigger window. A job that failed put it back (rearm); one killed with its
+    controller did not, and the records it took waited for a whole new trigger's worth (trigger_records
+    more, or trigger_age_s) before the restarted controller trained on them."""
+    C = _cls(dist.DistillController)
+    monkeypatch.setattr(dist, "idle_per_node", lambda: [{"CPU": 2.0}])
+    ctrl = C(draft_dir, str(tmp_path), {"mode": "full"}, 3, poll_s=3600)
+    for _ in range(4):
+        plain_ray.add("default", _rec(), 100)
+
+    def killed(*args):
+        raise _Killed
+
+    ctrl._job = killed
+    with pytest.raises(_Killed):
+        ctrl._update("default", "size", {"num_workers": 1})
+    assert plain_ray.due() == {}  # the window is taken
+    restarted = C(draft_dir, str(tmp_path), {"mode": "full"}, 3, poll_s=3600)  # what Ray runs on a restart
+    trained = []
+    restarted._job = lambda expert, *rest: trained.append(expert) or {"expert": expert, "published": True}
+    restarted._stop = _polls(1)
+    restarted._loop(0)
+    assert trained == ["default"]  # due again at its first poll: the same 4 records, no new ones
+    assert [e["rearmed"] for e in restarted.history() if "rearmed" in e] == [{"default": 4}]
+    # that job finished: a second restart puts nothing back, and nothing is due
+    again = C(draft_dir, str(tmp_path), {"mode": "full"}, 3, poll_s=3600)
+    again._update = lambda expert, why, plan: trained.append(expert) or {"expert": expert}
+    again._stop = _polls(1)
+    again._loop(0)
+    assert trained == ["default"] and [e["rearmed"] for e in again.history() if "rearmed" in e] == [{"default": 4}]
+
+
+def test_the_buffer_puts_back_only_windows_no_job_finished_or_rearmed(plain_ray):
+    for _ in range(3):
+        plain_ray.add("sql", _rec("sql"), 100)
+    _, _, window = plain_ray.take("sql")
+    plain_ray.rearm("sql", window)  # a failed job put it back itself: a restart must not count it twice
+    assert plain_ray.rearm_taken() == {} and plain_ray.buffer.shard("sql").new_since_update == 3
+    plain_ray.take("sql")
+    plain_ray.add("sql", _rec("sql"), 100)
+    plain_ray.take("sql")  # taken again before the first job's window came back (its rearm call failed)
+    assert plain_ray.rearm_taken() == {"sql": 4}  # both jobs' records count toward the trigger
+    assert plain_ray.due() == {"sql": "size"} and plain_ray.rearm_taken() == {}
+    plain_ray.take("sql")
+    plain_ray.finish("sql")
+    assert plain_ray.rearm_taken() == {} and plain_ray.due() == {}

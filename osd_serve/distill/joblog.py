@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import math
 import os
 from pathlib import Path
 
@@ -90,3 +91,15 @@ class JobLog:
 
     def __len__(self) -> int:
         return len(self.events)
+
+
+def json_safe(obj):
+    """obj with every non-finite float as None (JSON has no NaN: a route's encoder answered 500 on a guard's
+    NaN score)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj

@@ -418,12 +418,17 @@ class VersionWatcher:
         """Make an older kept version current in the shared store, and swap it in here now; every other
         watcher swaps it in at its next poll, and the cluster distiller trains on from it. No on_swap: the
         caller logs the rollback as one event. Left to the next poll, the swap logged a second version
-        row, or (a poll between the store's write and the caller's event) came first."""
+        row, or (a poll between the store's write and the caller's event) came first. Swapped in here
+        before the store moves: a version this draft cannot take changes nothing (the store moved first, the
+        caller's error came with every replica rolled back but this one)."""
         with self._swapping:
-            v, state = self.stores[expert].rollback(to)
-            if not self._apply(expert, state, v):
-                raise RuntimeError(f"rollback: draft version {v} of expert {expert!r} is current in the store, "
-                                   f"but this replica could not swap it in (the log has why)")
+            store = self.stores[expert]
+            v, was = store.rollback_target(to)
+            if not self._apply(expert, store.load(v), v):
+                raise RuntimeError(f"rollback: this replica could not swap draft version {v} of expert {expert!r} in "
+                                   f"(the log has why); nothing changed, version {was} is still current")
+            # ValueError (a 409) if published meanwhile: this replica's next poll swaps the newer version in
+            store.make_current(v, expect_current=was)
             return v
 
     def _loop(self) -> None:
