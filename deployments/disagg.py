@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import math
 import secrets
 import time
 import uuid
@@ -30,7 +31,7 @@ from ray import serve
 
 from osd_serve.config import SamplingParams
 from osd_serve.disagg import DraftWorker, ProposeItem, Proposal, TargetVerifier, Verdict, VerifyItem, run_request
-from osd_serve.distill.versions import VersionStore
+from osd_serve.distill.versions import VersionStore, read_current
 from osd_serve.output import Request, finish_counts, fit_max_tokens
 from osd_serve.protocol import UnknownExpert
 from osd_serve.serving import StallWatch
@@ -42,9 +43,8 @@ from .config import GRACEFUL_SHUTDOWN_S, AppConfig, check_gpu_reservation, repli
 IDLE_SEQUENCE_S = 600.0  # see Verifier._forget_idle
 RELEASE_TRIES = 6  # a release refused by a full queue is sent again, 0.05 s later, then 0.1 s, ... (1.55 s in all)
 RELEASED_KEPT = 4096  # released ids a replica remembers; a call queued before its release is seconds old
-# After a rollback, DraftPool replicas propose from the version rolled back from until their watcher's
-# next poll (2 s) and the draft's load: such proposals are not logged as a version change for this long.
-ROLLBACK_GRACE_S = 30.0
+# How long a Verifier trusts the store's current version it last read (Verifier._note_version)
+STORE_READ_S = 1.0
 NOTE_TIMEOUT_S = 5.0  # how long a rollback waits to tell the Verifier (its answer does not depend on it)
 
 
@@ -211,7 +211,7 @@ class Verifier(_Batched):
         # row and record trace are bounded by the core's LRU caps.)
         self.released: OrderedDict[str, None] = OrderedDict()
         self.versions: dict[str, int] = {}  # expert -> the draft version of the latest proposal verified
-        self.rolled: dict[str, tuple[int, float]] = {}  # expert -> (the newest version kept, until when): note_rollback
+        self.store_current: dict[str, tuple[int | None, float]] = {}  # expert -> (its store's current, read when)
         # expert -> released sequences by finish_reason, as the router reports it (none: its client went
         # away, "abort"); /admin/experts' "finished", as the colocated engine counts them
         self.finished: defaultdict[str, Counter] = defaultdict(Counter)
@@ -246,23 +246,28 @@ class Verifier(_Batched):
         for expert, st in stats.items():
             self.telemetry.on_step(expert, st)
         for it in items:
-            if it.draft and it.draft_version != self.versions.get(it.expert) and not self._rolled_from(it, now):
-                self.versions[it.expert] = it.draft_version  # a swap, or a rollback another replica was told of
-                self.telemetry.on_event(it.expert, version=it.draft_version)
+            if it.draft and it.draft_version != self.versions.get(it.expert):
+                await self._note_version(it.expert, it.draft_version, now)
         return verdicts
 
-    def _rolled_from(self, it: VerifyItem, now: float) -> bool:
-        """A proposal from a version a rollback noted here has just left (a DraftPool replica that has not
-        swapped yet): logged, it flipped the version row back and forth. A version published since is
-        numbered above every kept one."""
-        newest, until = self.rolled.get(it.expert, (-1, 0.0))
-        return it.draft_version <= newest and now < until
+    async def _note_version(self, expert: str, version: int, now: float) -> None:
+        """A proposal from another version than the last one logged: a row only if it is the shared store's
+        current version. After a publish or a rollback, DraftPool replicas not yet swapped (their watcher polls
+        every 2 s, then loads the draft) propose from the version left, which flipped the row back and forth.
+        One below the last is a rollback: every replica's row says so, not only the one the Router told."""
+        current, read = self.store_current.get(expert, (None, -math.inf))
+        if now - read > STORE_READ_S:  # a small file, read at most once a second per expert, off the loop
+            current = await asyncio.to_thread(read_current, _versions_dir(self.cfg) / expert)
+            self.store_current[expert] = current, now
+        if current is not None and version != current:
+            return
+        was, self.versions[expert] = self.versions.get(expert), version
+        self.telemetry.on_event(expert, version=version, **({"rollback": 1} if was is not None and version < was else {}))
 
-    async def note_rollback(self, expert: str, version: int, newest: int) -> None:
-        """A rollback to version (admin), while newest was the newest version kept: one event row, as
-        the colocated replica logs it, and serving_version says so now, not at the next proposal."""
-        self.versions[expert] = version
-        self.rolled[expert] = (newest, time.monotonic() + ROLLBACK_GRACE_S)
+    async def note_rollback(self, expert: str, version: int, newest: int | None = None) -> None:
+        """A rollback to version (admin): its row and serving_version now, not at the next proposal.
+        newest: sent by Routers before this replica's version, unused."""
+        self.store_current[expert], self.versions[expert] = (version, time.monotonic()), version
         self.telemetry.on_event(expert, version=version, rollback=1)
 
     def _verify(self, items: list[VerifyItem]):  # the torch thread
@@ -480,7 +485,7 @@ class DisaggBackend:
             # Not through _ensure_ready: a Router whose set-up fails can still roll back
             verifier = getattr(self, "verifier", None) or serve.get_deployment_handle("Verifier", replica_app())
             # Bounded: with no Verifier replica running (a redeploy, a crash loop) Serve queues the call
-            await asyncio.wait_for(verifier.note_rollback.remote(expert, version, max(store.versions)), NOTE_TIMEOUT_S)
+            await asyncio.wait_for(verifier.note_rollback.remote(expert, version), NOTE_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001  (a Verifier redeployed without note_rollback, or gone)
             logging.getLogger(__name__).warning("rollback of %s to version %s: the Verifier was not told (%r)",
                                                 expert, version, e)

@@ -234,8 +234,8 @@ def test_a_draft_replica_lacking_the_expert_at_a_later_step_is_a_503_too(tok, st
 @pytest.mark.parametrize("verifier", ["told", "fails", "hangs"])
 def test_a_rollback_tells_the_verifier_and_survives_its_failure(tmp_path, monkeypatch, caplog, verifier):
     """Disaggregated, a rollback rolled the shared store back and wrote no event row: the Verifier, which
-    logs the versions, saw nothing until proposals of the version came. It is now told (note_rollback),
-    with the newest version kept; one that fails or never answers (no replica running: Serve queues the
+    logs the versions, saw nothing until proposals of the version came. It is now told (note_rollback);
+    one that fails or never answers (no replica running: Serve queues the
     call) leaves the rollback done and answered, with a warning. A Router not set up yet rolls back too."""
     import torch
 
@@ -262,5 +262,5 @@ def test_a_rollback_tells_the_verifier_and_survives_its_failure(tmp_path, monkey
     backend = dd.DisaggBackend(cfg)  # never set up: its set-up may be what fails
     assert asyncio.run(asyncio.wait_for(backend.admin_rollback("sql", None), 10)) == {"expert": "sql", "serving_version": 1}
     assert VersionStore(tmp_path / "app1" / "sql").current == 1 and handles == [("Verifier", "app1")]
-    assert told == ([("sql", 1, 2)] if verifier == "told" else [])
+    assert told == ([("sql", 1)] if verifier == "told" else [])
     assert ("the Verifier was not told" in caplog.text) == (verifier != "told")

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import pytest
+import torch
 
 
 def test_the_verifier_stops_counting_a_sequence_whose_release_never_came(monkeypatch):
@@ -26,9 +28,10 @@ def test_the_verifier_stops_counting_a_sequence_whose_release_never_came(monkeyp
     assert v.live == {}
 
 
-def _verifier(monkeypatch, now: list[float]):
-    """A Verifier's bookkeeping over a core that accepts nothing, on a clock the test sets (now[0]).
-    Returns (verifier, its verify batch body, its telemetry's version events)."""
+def _verifier(monkeypatch, now: list[float], versions_dir=None):
+    """A Verifier's bookkeeping over a core that accepts nothing, on a clock the test sets (now[0]), its
+    versions under versions_dir (default: none published). Returns (verifier, its verify batch body, its
+    telemetry's version events)."""
     from collections import Counter, OrderedDict, defaultdict
     from types import SimpleNamespace
 
@@ -37,12 +40,13 @@ def _verifier(monkeypatch, now: list[float]):
 
     cls, events = dd.Verifier.func_or_class, []
     monkeypatch.setattr(dd, "time", SimpleNamespace(monotonic=lambda: now[0], perf_counter=time.perf_counter))
+    monkeypatch.setattr(dd, "_versions_dir", lambda cfg: versions_dir or Path("/nonexistent/osd-versions"))
     core = SimpleNamespace(verify=lambda items: ([Verdict([7], 0, 0) for _ in items], {}), release=lambda seq_id: None)
     telemetry = SimpleNamespace(on_step=lambda *a: None, on_request=lambda *a: None,
                                 on_event=lambda expert, version, **kw: events.append((expert, version, *kw.values())))
     v = SimpleNamespace(live={}, released=OrderedDict(), versions={}, finished=defaultdict(Counter), recomputed=0,
-                        core=core, telemetry=telemetry, rolled={})
-    v._rolled_from = lambda it, t: cls._rolled_from(v, it, t)
+                        core=core, telemetry=telemetry, store_current={}, cfg=None)
+    v._note_version = lambda expert, version, t: cls._note_version(v, expert, version, t)
 
     async def run(fn, *args):
         return fn(*args)
@@ -76,28 +80,69 @@ def test_the_verifier_labels_the_draft_version_from_proposals_only(monkeypatch):
     asyncio.run(main())
 
 
-def test_a_rollback_the_router_makes_is_one_row_and_shown_at_once(monkeypatch):
+def _store(tmp_path, versions: int):
+    """The shared store of expert sql with versions 0..versions-1 published, the last current."""
+    from osd_serve.distill.versions import VersionStore
+
+    store = VersionStore(tmp_path / "sql")
+    for i in range(versions):
+        store.publish({"w": torch.full((1,), float(i))})
+    return store
+
+
+def test_a_rollback_the_router_makes_is_one_row_and_shown_at_once(monkeypatch, tmp_path):
     """Disaggregated, a rollback wrote no rollback row (the colocated replica writes one), and
     serving_version and the version rows changed only when a proposal from the version came; proposals
-    from replicas not yet swapped then flipped the row back and forth."""
+    from replicas not yet swapped then flipped the row back and forth, and did again once a grace of 30 s
+    had passed. A version is now logged only when it is the shared store's current one."""
     pytest.importorskip("ray.serve")
     import deployments.disagg as dd
 
-    now = [0.0]
-    v, verify, events = _verifier(monkeypatch, now)
+    now, store = [0.0], _store(tmp_path, 4)
+    v, verify, events = _verifier(monkeypatch, now, tmp_path)
     note = dd.Verifier.func_or_class.note_rollback
 
     async def main():
         await verify([_item("s1", [5], 3)])
-        await note(v, "sql", 1, 3)  # back to 1 while 3 was the newest version kept
-        assert v.versions == {"sql": 1} and events == [("sql", 3), ("sql", 1, 1)]  # no traffic needed
+        store.rollback(1, load=False)  # the Router's
+        await note(v, "sql", 1)  # back to 1: no traffic needed
+        assert v.versions == {"sql": 1} and events == [("sql", 3), ("sql", 1, 1)]
         await verify([_item("s1", [5], 3), _item("s2", [5], 1), _item("s3", [6], 2)])  # replicas swapping
         assert v.versions == {"sql": 1} and events == [("sql", 3), ("sql", 1, 1)]
-        await verify([_item("s1", [5], 4)])  # a version published since the rollback
-        assert v.versions == {"sql": 4} and events[-1] == ("sql", 4)
-        now[0] = dd.ROLLBACK_GRACE_S + 1  # past the grace, any version change is a row again
+        now[0] = 100.0  # long after: a replica still on 3 (its swap failed) is no version change either
+        await verify([_item("s1", [5], 3)])
+        assert v.versions == {"sql": 1} and len(events) == 2
+        store.publish({"w": torch.zeros(1)})  # v4, trained on from 1
+        now[0] = 100.5  # the store was read 0.5 s ago: v4 waits for the next read
+        await verify([_item("s1", [5], 4)])
+        assert v.versions == {"sql": 1}
+        now[0] = 101.5
+        await verify([_item("s2", [5], 1), _item("s1", [5], 4), _item("s3", [5], 1)])
+        assert v.versions == {"sql": 4} and events[2:] == [("sql", 4)]
+
+    asyncio.run(main())
+
+
+def test_every_verifier_replica_logs_a_rollback_and_none_flips_on_a_publish(monkeypatch, tmp_path):
+    """The Router tells one Verifier replica of a rollback; the others logged the version rolled back to as a
+    plain version row, and after a publish, proposals from DraftPool replicas not yet swapped flipped every
+    replica's row back to the old version and forward again."""
+    pytest.importorskip("ray.serve")
+    now, store = [0.0], _store(tmp_path, 3)
+    v, verify, events = _verifier(monkeypatch, now, tmp_path)
+
+    async def main():
         await verify([_item("s1", [5], 2)])
-        assert v.versions == {"sql": 2} and events[-1] == ("sql", 2)
+        store.publish({"w": torch.ones(1)})  # v3
+        for t, version in [(2.0, 3), (2.1, 2), (2.2, 3), (2.3, 2), (4.0, 2), (4.1, 3)]:  # two DraftPool replicas
+            now[0] = t
+            await verify([_item("s1", [5], version)])
+        assert v.versions == {"sql": 3} and events == [("sql", 2), ("sql", 3)]
+        store.rollback(1, load=False)  # told to another Verifier replica
+        for t, version in [(6.0, 3), (6.1, 1), (6.2, 3), (8.0, 1)]:
+            now[0] = t
+            await verify([_item("s1", [5], version)])
+        assert v.versions == {"sql": 1} and events == [("sql", 2), ("sql", 3), ("sql", 1, 1)]
 
     asyncio.run(main())
 

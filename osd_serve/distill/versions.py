@@ -94,6 +94,15 @@ def claim_slot(root: str | os.PathLike) -> tuple[Path, object]:
     raise AssertionError("unreachable")
 
 
+def read_current(root: str | os.PathLike) -> int | None:
+    """The current version of the store at root, changing nothing (VersionStore creates the folder): None
+    when it has none or its manifest cannot be read. Written by os.replace, a manifest is never half read."""
+    try:
+        return json.loads((Path(root) / "manifest.json").read_text())["current"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 class VersionStore:
     def __init__(self, root: str | os.PathLike, keep_last: int = 5):
         if keep_last < 1:
