@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
-import math
 import secrets
 import time
 import uuid
@@ -30,8 +29,8 @@ from pathlib import Path
 from ray import serve
 
 from osd_serve.config import SamplingParams
-from osd_serve.disagg import DraftWorker, ProposeItem, Proposal, TargetVerifier, Verdict, VerifyItem, run_request
-from osd_serve.distill.versions import VersionStore, read_current
+from osd_serve.disagg import DraftWorker, ProposeItem, Proposal, TargetVerifier, Verdict, VerifyItem, run_request, version_row
+from osd_serve.distill.versions import VersionStore, read_manifest
 from osd_serve.output import Request, finish_counts, fit_max_tokens
 from osd_serve.protocol import UnknownExpert
 from osd_serve.serving import StallWatch
@@ -43,8 +42,7 @@ from .config import GRACEFUL_SHUTDOWN_S, AppConfig, check_gpu_reservation, repli
 IDLE_SEQUENCE_S = 600.0  # see Verifier._forget_idle
 RELEASE_TRIES = 6  # a release refused by a full queue is sent again, 0.05 s later, then 0.1 s, ... (1.55 s in all)
 RELEASED_KEPT = 4096  # released ids a replica remembers; a call queued before its release is seconds old
-# How long a Verifier trusts the store's current version it last read (Verifier._note_version)
-STORE_READ_S = 1.0
+STORE_READ_S = 1.0  # how long a Verifier trusts the store's manifest it last read (Verifier._note_version)
 NOTE_TIMEOUT_S = 5.0  # how long a rollback waits to tell the Verifier (its answer does not depend on it)
 
 
@@ -211,7 +209,7 @@ class Verifier(_Batched):
         # row and record trace are bounded by the core's LRU caps.)
         self.released: OrderedDict[str, None] = OrderedDict()
         self.versions: dict[str, int] = {}  # expert -> the draft version of the latest proposal verified
-        self.store_current: dict[str, tuple[int | None, float]] = {}  # expert -> (its store's current, read when)
+        self.store_current: dict[str, tuple[dict | None, float]] = {}  # expert -> (its store's manifest, read when)
         # expert -> released sequences by finish_reason, as the router reports it (none: its client went
         # away, "abort"); /admin/experts' "finished", as the colocated engine counts them
         self.finished: defaultdict[str, Counter] = defaultdict(Counter)
@@ -251,23 +249,29 @@ class Verifier(_Batched):
         return verdicts
 
     async def _note_version(self, expert: str, version: int, now: float) -> None:
-        """A proposal from another version than the last one logged: a row only if it is the shared store's
-        current version. After a publish or a rollback, DraftPool replicas not yet swapped (their watcher polls
-        every 2 s, then loads the draft) propose from the version left, which flipped the row back and forth.
-        One below the last is a rollback: every replica's row says so, not only the one the Router told."""
-        current, read = self.store_current.get(expert, (None, -math.inf))
-        if now - read > STORE_READ_S:  # a small file, read at most once a second per expert, off the loop
-            current = await asyncio.to_thread(read_current, _versions_dir(self.cfg) / expert)
-            self.store_current[expert] = current, now
-        if current is not None and version != current:
-            return
-        was, self.versions[expert] = self.versions.get(expert), version
-        self.telemetry.on_event(expert, version=version, **({"rollback": 1} if was is not None and version < was else {}))
+        """A proposal from another version than the last one logged: a row if version_row says so, from the
+        shared store's manifest, read at most once a second per expert, off the loop."""
+        was, manifest = self.versions.get(expert), None
+        if was is not None and self.cfg.distill.enabled:  # the first version seen is logged whatever it is
+            entry = self.store_current.get(expert)
+            manifest = entry[0] if entry else None
+            if entry is None or now - entry[1] > STORE_READ_S:
+                try:
+                    manifest = await asyncio.to_thread(read_manifest, _versions_dir(self.cfg) / expert)
+                except (OSError, ValueError) as e:  # a shared disk's hiccup (ESTALE): the last one read stands
+                    logging.getLogger(__name__).debug("reading %s's versions failed: %r", expert, e)
+                if self.store_current.get(expert) is not entry:
+                    return  # note_rollback meanwhile: this read may predate it; the next proposal reads again
+                self.store_current[expert] = manifest, now
+        if (row := version_row(version, was, manifest)) is not None:
+            self.versions[expert] = version
+            self.telemetry.on_event(expert, **row)
 
     async def note_rollback(self, expert: str, version: int, newest: int | None = None) -> None:
-        """A rollback to version (admin): its row and serving_version now, not at the next proposal.
-        newest: sent by Routers before this replica's version, unused."""
-        self.store_current[expert], self.versions[expert] = (version, time.monotonic()), version
+        """A rollback to version (admin): its row and serving_version now, not at the next proposal; the
+        store, which the Router has rolled back, is read again at the next. newest: from older Routers, unused."""
+        self.store_current[expert] = None, float("-inf")  # a new entry: a read under way is dropped, the next reads
+        self.versions[expert] = version
         self.telemetry.on_event(expert, version=version, rollback=1)
 
     def _verify(self, items: list[VerifyItem]):  # the torch thread

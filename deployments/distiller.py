@@ -329,7 +329,8 @@ class _DistillController:
         except Exception:
             self.buffer.rearm.remote(expert, window)  # retried after the loop's back-off, not a whole trigger later
             raise
-        self.buffer.finish.remote(expert)  # its window is used up: a later restart does not put it back
+        if (finish := getattr(self.buffer, "finish", None)) is not None:  # None: a buffer made by an older osd-serve
+            finish.remote(expert)  # its window is used up: a later restart does not put it back
         return event
 
     def _job(self, expert: str, why: str, plan: dict, refs: list, flags: list[bool]) -> dict:

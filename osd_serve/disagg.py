@@ -432,3 +432,16 @@ async def run_request(
         d = req.delta()
         if d.token_ids or d.text or d.finished:
             yield d
+
+
+def version_row(version: int, was: int | None, manifest: dict | None) -> dict | None:
+    """The Verifier's telemetry row for a proposal from draft version ``version``, ``was`` the one it last logged,
+    or None: no change to log. manifest: the shared store's (None: unknown, so any change is one). After a publish
+    or a rollback, DraftPool replicas not yet swapped (their watcher polls every 2 s, then loads the draft)
+    propose from the version left: only the store's current version is a row, or they flipped it back and
+    forth. One below the last, which the store still keeps (a clear restarts the numbering), is a rollback,
+    marked so on every Verifier replica, not only on the one the Router told."""
+    if manifest is not None and version != manifest["current"]:
+        return None
+    rolled = was is not None and version < was and manifest is not None and was in manifest["versions"]
+    return {"version": version, **({"rollback": 1} if rolled else {})}

@@ -186,3 +186,21 @@ def test_the_buffer_puts_back_only_windows_no_job_finished_or_rearmed(plain_ray)
     plain_ray.take("sql")
     plain_ray.finish("sql")
     assert plain_ray.rearm_taken() == {} and plain_ray.due() == {}
+
+
+def test_a_successful_job_over_a_buffer_made_before_taken_windows_is_no_error(plain_ray, monkeypatch, tmp_path,
+                                                                               draft_dir):
+    """The actors are detached and outlive an upgrade; a handle has the methods its actor was made with. The
+    new controller's finish() on an older buffer raised after the job had published: every published job
+    showed as an error and backed off."""
+    C = _cls(dist.DistillController)
+    monkeypatch.setattr(dist, "idle_per_node", lambda: [{"CPU": 2.0}])
+    ctrl = C(draft_dir, str(tmp_path), {"mode": "full"}, 3, poll_s=3600)
+    old = ("due", "take", "rearm", "retire", "add", "configure", "stats")  # no finish, no rearm_taken
+    ctrl.buffer = types.SimpleNamespace(**{n: types.SimpleNamespace(remote=getattr(plain_ray, n)) for n in old})
+    for _ in range(4):
+        plain_ray.add("default", _rec(), 100)
+    ctrl._job = lambda expert, *rest: {"expert": expert, "published": True, "version": 1}
+    ctrl._stop = _polls(1)
+    ctrl._loop(0)
+    assert ctrl.history() == [{"expert": "default", "published": True, "version": 1}] and ctrl.backoff.ready("default")

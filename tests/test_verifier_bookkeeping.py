@@ -28,7 +28,7 @@ def test_the_verifier_stops_counting_a_sequence_whose_release_never_came(monkeyp
     assert v.live == {}
 
 
-def _verifier(monkeypatch, now: list[float], versions_dir=None):
+def _verifier(monkeypatch, now: list[float], versions_dir=None, distill: bool = True):
     """A Verifier's bookkeeping over a core that accepts nothing, on a clock the test sets (now[0]), its
     versions under versions_dir (default: none published). Returns (verifier, its verify batch body, its
     telemetry's version events)."""
@@ -45,7 +45,8 @@ def _verifier(monkeypatch, now: list[float], versions_dir=None):
     telemetry = SimpleNamespace(on_step=lambda *a: None, on_request=lambda *a: None,
                                 on_event=lambda expert, version, **kw: events.append((expert, version, *kw.values())))
     v = SimpleNamespace(live={}, released=OrderedDict(), versions={}, finished=defaultdict(Counter), recomputed=0,
-                        core=core, telemetry=telemetry, store_current={}, cfg=None)
+                        core=core, telemetry=telemetry, store_current={},
+                        cfg=SimpleNamespace(distill=SimpleNamespace(enabled=distill)))
     v._note_version = lambda expert, version, t: cls._note_version(v, expert, version, t)
 
     async def run(fn, *args):
@@ -143,6 +144,66 @@ def test_every_verifier_replica_logs_a_rollback_and_none_flips_on_a_publish(monk
             now[0] = t
             await verify([_item("s1", [5], version)])
         assert v.versions == {"sql": 1} and events == [("sql", 2), ("sql", 3), ("sql", 1, 1)]
+
+    asyncio.run(main())
+
+
+def test_version_rows_without_a_store_a_cleared_one_or_distillation(monkeypatch, tmp_path):
+    """Distillation off over a store an earlier deploy left (current 3): the proposals' version 0 was never
+    logged, and serving_version stayed empty. A store cleared for a new draft numbers from 0 again: a drop
+    to its version 0 is no rollback. The first version a replica sees is logged whatever the store says."""
+    pytest.importorskip("ray.serve")
+    from osd_serve.disagg import version_row
+
+    now, store = [0.0], _store(tmp_path, 4)
+    v, verify, events = _verifier(monkeypatch, now, tmp_path, distill=False)
+    fresh, verify_fresh, fresh_events = _verifier(monkeypatch, now, tmp_path)
+
+    async def main():
+        for t in (0.0, 2.0):
+            now[0] = t
+            await verify([_item("s1", [5], 0)])
+            await verify_fresh([_item("s1", [5], 2)])  # a DraftPool replica whose swap to 3 failed
+        assert v.versions == {"sql": 0} and events == [("sql", 0)]
+        assert fresh.versions == {"sql": 2} and fresh_events == [("sql", 2)]
+        await verify_fresh([_item("s1", [5], 3)])
+        store.clear()
+        store.publish({"w": torch.zeros(1)}, draft="another draft")
+        now[0] = 5.0
+        await verify_fresh([_item("s1", [5], 0)])
+        assert fresh_events == [("sql", 2), ("sql", 3), ("sql", 0)]  # no rollback mark
+
+    asyncio.run(main())
+    kept = {"current": 1, "versions": [0, 1, 3]}
+    assert version_row(1, 3, kept) == {"version": 1, "rollback": 1} and version_row(3, 1, kept) is None
+    assert version_row(1, 3, None) == {"version": 1} and version_row(0, None, kept) is None
+
+
+def test_a_store_read_that_straddles_a_rollback_does_not_undo_it(monkeypatch, tmp_path):
+    """A manifest read begun before the Router's rollback and ended after note_rollback stored the old
+    current version as fresh: for a second, proposals from replicas not yet swapped back were rows again."""
+    pytest.importorskip("ray.serve")
+    import deployments.disagg as dd
+
+    now, store = [0.0], _store(tmp_path, 4)
+    v, verify, events = _verifier(monkeypatch, now, tmp_path)
+    note, to_thread = dd.Verifier.func_or_class.note_rollback, asyncio.to_thread
+
+    async def read_then_rollback(fn, *args):
+        manifest = fn(*args)  # current 3
+        store.rollback(1, load=False)  # the Router, meanwhile
+        await note(v, "sql", 1)
+        return manifest
+
+    async def main():
+        await verify([_item("s1", [5], 3)])
+        now[0] = 2.0
+        monkeypatch.setattr(dd.asyncio, "to_thread", read_then_rollback)
+        await verify([_item("s2", [5], 2)])
+        monkeypatch.setattr(dd.asyncio, "to_thread", to_thread)
+        now[0] = 2.5
+        await verify([_item("s3", [5], 3), _item("s4", [5], 1)])  # a replica not yet swapped back, one swapped
+        assert v.versions == {"sql": 1} and events == [("sql", 3), ("sql", 1, 1)]
 
     asyncio.run(main())
 

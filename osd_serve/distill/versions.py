@@ -94,12 +94,12 @@ def claim_slot(root: str | os.PathLike) -> tuple[Path, object]:
     raise AssertionError("unreachable")
 
 
-def read_current(root: str | os.PathLike) -> int | None:
-    """The current version of the store at root, changing nothing (VersionStore creates the folder): None
-    when it has none or its manifest cannot be read. Written by os.replace, a manifest is never half read."""
+def read_manifest(root: str | os.PathLike) -> dict | None:
+    """The manifest of the store at root ({"current", "versions", ...}), changing nothing (VersionStore creates
+    the folder); None when there is none. Written by os.replace, a manifest is never read half written."""
     try:
-        return json.loads((Path(root) / "manifest.json").read_text())["current"]
-    except (OSError, ValueError, KeyError, TypeError):
+        return json.loads((Path(root) / "manifest.json").read_text())
+    except FileNotFoundError:
         return None
 
 
