@@ -22,6 +22,7 @@ import math
 import os
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -249,8 +250,7 @@ class _DistillController:
                 if not backoff.ready(expert):
                     continue  # its job failed lately; its trigger stays due (rearm)
                 try:
-                    # Inside the try: idle_per_node reads Ray's control store, and one failed read ended this
-                    # thread for good while the actor stayed up, idle, with no error to show.
+                    # In the try: idle_per_node reads Ray's control store; one failed read ended this thread for good
                     plan = plan_workers(idle_per_node(), self.serve_load(), self.settings["max_workers"])
                     if plan is None:  # no spare capacity: the trigger stays due, retried next poll
                         self._no_capacity(expert, why)
@@ -279,8 +279,7 @@ class _DistillController:
             logger.debug("distill controller: rearming killed jobs' triggers failed: %r", e)
             return False
         if rearmed:
-            logger.warning("distill controller: the trigger windows of jobs killed with the controller's former "
-                           "process are due again: %s", rearmed)
+            logger.warning("distill controller: jobs killed with its former process are due again: %s", rearmed)
             self.events.append({"rearmed": rearmed, "time": time.time()})
         return True
 
@@ -305,9 +304,8 @@ class _DistillController:
             self.events.append({"freed_reservations": freed, "time": time.time()})
 
     def _no_capacity(self, expert: str, why: str) -> None:
-        """A due expert that no idle capacity can train: shown in the state, and warned of once it has
-        waited WAIT_WARN_S. Silent, a controller that could never plan (every CPU and GPU held by
-        serving, or by another job's reservation) looked idle."""
+        """A due expert no idle capacity can train: in the state, warned of once it has waited WAIT_WARN_S. Silent,
+        a controller that could never plan (every CPU and GPU held by serving or another reservation) looked idle."""
         since, warned = self.waiting.setdefault(expert, (time.monotonic(), False))
         if not warned and time.monotonic() - since > self.WAIT_WARN_S:
             self.waiting[expert] = (since, True)
@@ -397,7 +395,9 @@ EVENTS_FILE = "controller-jobs.jsonl"
 
 def _restarted() -> bool:
     try:
-        return ray.get_runtime_context().was_current_actor_reconstructed
+        with warnings.catch_warnings():  # Ray's own property reads its deprecated actor_id: a warning at each start
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return ray.get_runtime_context().was_current_actor_reconstructed
     except Exception:  # noqa: BLE001  not in an actor (tests drive the class directly)
         return False
 

@@ -204,3 +204,23 @@ def test_a_successful_job_over_a_buffer_made_before_taken_windows_is_no_error(pl
     ctrl._stop = _polls(1)
     ctrl._loop(0)
     assert ctrl.history() == [{"expert": "default", "published": True, "version": 1}] and ctrl.backoff.ready("default")
+
+
+def test_asking_whether_the_controller_restarted_warns_of_nothing(monkeypatch):
+    """Ray 2.60's was_current_actor_reconstructed reads its own deprecated actor_id: a RayDeprecationWarning
+    in the log at every controller start, for a call the operator cannot change."""
+    import warnings
+
+    from ray.util.annotations import RayDeprecationWarning
+
+    class Context:
+        @property
+        def was_current_actor_reconstructed(self):
+            warnings.warn("Use get_actor_id() instead", RayDeprecationWarning, stacklevel=2)
+            return True
+
+    monkeypatch.setattr(dist.ray, "get_runtime_context", Context)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert dist._restarted() is True
+    assert seen == []
