@@ -405,6 +405,11 @@ def validation_error(errors: list[dict]) -> RequestError:
     field and list what it may be instead."""
     err = errors[0]
     extra = err["type"] == "extra_forbidden"  # its last part is the unknown field the client sent
+    free = next((i for i, p in enumerate(err["loc"]) if p in _FREE_FORM), None)
+    if free is not None and len(err["loc"]) > free + 1:  # the client's own keys below: named in the message, as
+        # a param, a key named "seed" passed for the field and others were dropped
+        key = ".".join(map(str, err["loc"][free + 1 :]))
+        err = {**err, "loc": err["loc"][: free + 1], "msg": f"at key {short_repr(key)}: {err['msg'].removeprefix('Value error, ')}"}
     loc = [p for i, p in enumerate(err["loc"]) if isinstance(p, int) or p in _FIELD_NAMES or (extra and i == len(err["loc"]) - 1)]
     param = ".".join(map(str, loc)) or None
     under = [e for e in errors if list(e["loc"][: len(loc)]) == loc and len(e["loc"]) > len(loc)]
@@ -432,6 +437,9 @@ def engine_error(e: ValueError) -> RequestError:
 
 
 _FIELD_NAMES = {n for m in (CompletionRequest, ChatRequest, ChatMessage, StreamOptions, TextPart) for n in m.model_fields}
+# Fields holding a dict of the client's own keys (logit_bias, metadata): a 400's param stops at the field
+_FREE_FORM = {n for m in (CompletionRequest, ChatRequest, ChatMessage) for n, f in m.model_fields.items()
+              if "dict" in str(f.annotation) and "list" not in str(f.annotation)}
 
 
 # created: when the request was taken (int(time.time())), given by the caller. Every chunk of a stream

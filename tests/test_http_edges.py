@@ -151,6 +151,20 @@ def test_a_completions_logprobs_refusal_does_not_advise_0(client, logprobs):
     assert "or 0" not in r.json()["error"]["message"], r.text
 
 
+@pytest.mark.parametrize("path,body,key", [
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"prompt": "a"}}, "prompt"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"abc": "a"}}, "abc"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "metadata": {"seed": 1}}, "seed"),
+])
+def test_a_bad_value_in_a_dict_of_the_clients_keys_names_the_field_and_the_key(client, path, body, key):
+    """The param kept a key below logit_bias or metadata only when it happened to be a field's name
+    (logit_bias.prompt, but logit_bias for the key abc): one field, two params."""
+    r = _post(client, path, body)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == next(iter(body.keys() - {"prompt", "messages"})), r.text
+    assert f"at key '{key}'" in err["message"], r.text
+
+
 def _scope(path: str) -> dict:
     """A POST as uvicorn's HTTP scope has it: no asgi spec_version, so Starlette watches receive() for
     a disconnect."""
