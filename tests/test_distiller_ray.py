@@ -274,21 +274,23 @@ def test_a_controller_killed_mid_job_frees_its_reservation_once_restarted(cluste
             try:
                 assert ray.get(ctl.status.remote(), timeout=30)["settings"]["steps"] == 4
                 break
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                time.sleep(1)
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+                time.sleep(1)  # ActorUnavailableError: the call reached the actor while it restarted
         # no new records: the killed job's trigger window is put back, so the expert is due again at once
         deadline, events = time.time() + 300, []
         # A sweep that ran before the control store marked the Train controller dead finds it at the next
-        # (SWEEP_S later), which may come after the next job: wait for both
-        while time.time() < deadline and not (any("published" in e or "error" in e for e in events)
+        # (SWEEP_S later), which may come after the next job: wait for both. The rearmed job is due at the first
+        # poll, maybe while the dead job's group still holds the CPUs: its workers may fail to start, and the
+        # back-off retries it 5 s later (the window stays due), so wait for a job that ran
+        while time.time() < deadline and not (any("published" in e for e in events)
                                               and any("freed_reservations" in e for e in events)):
             events = ray.get(ctl.history.remote())
             time.sleep(1)
         assert [e["freed_reservations"] for e in events if "freed_reservations" in e] == [sorted(job)], events
         assert [e for e in events if "restarted" in e], events  # the restart itself is in the history
         assert [e["rearmed"] for e in events if "rearmed" in e] == [{"default": len(train) + len(held)}], events
-        jobs = [e for e in events if "published" in e or "error" in e]
-        assert jobs and jobs[-1].get("published") is not None and "error" not in jobs[-1], events
+        jobs = [e for e in events if "published" in e]
+        assert jobs and jobs[-1]["steps"] == 4, events  # it ran, with the settings saved before the kill
         assert not job & reserved()
     finally:
         ray.kill(ctl)
