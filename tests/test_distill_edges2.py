@@ -276,4 +276,14 @@ def test_a_rollback_this_replica_cannot_swap_in_changes_nothing(tmp_path):
     assert store.refresh() == 3 and applied == [2, 0]
     w.poll()
     assert applied == [2, 0, 3] and w.serving["sql"] == 3
+    real_load = w.stores["sql"].load
+
+    def pruned_meanwhile(version=None):  # a publish pruned it after this rollback read the manifest
+        (store.path(version) / "draft.safetensors").unlink()
+        return real_load(version)
+
+    w.stores["sql"].load = pruned_meanwhile
+    with pytest.raises(KeyError, match="not kept"):  # a 404, not a 500
+        w.rollback("sql", 1)
+    assert store.refresh() == 3 and w.serving["sql"] == 3
     w.close()

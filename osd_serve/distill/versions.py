@@ -433,7 +433,11 @@ class VersionWatcher:
         with self._swapping:
             store = self.stores[expert]
             v, was = store.rollback_target(to)
-            if not self._apply(expert, store.load(v), v):
+            try:
+                state = store.load(v)
+            except FileNotFoundError:  # pruned by a publish since the manifest was read: what a 404 says
+                raise KeyError(f"draft version {v} is not kept (pruned meanwhile); nothing changed") from None
+            if not self._apply(expert, state, v):
                 raise RuntimeError(f"rollback: this replica could not swap draft version {v} of expert {expert!r} in "
                                    f"(the log has why); nothing changed, version {was} is still current")
             # ValueError (a 409) if published meanwhile: this replica's next poll swaps the newer version in
