@@ -269,15 +269,17 @@ def test_a_controller_killed_mid_job_frees_its_reservation_once_restarted(cluste
         # back and takes the rearmed window at its first poll, before any call of the test's could reach it.
         ray.get(ctl.configure.remote(path, str(versions), {"lr": 3e-3}, 4, max_workers=1, heldout=12), timeout=30)
         ray.kill(ctl, no_restart=False)
-        deadline = time.time() + 120
-        while time.time() < deadline:  # calls fail until the restarted actor is up
+        # ray.kill returns before the process dies: a call may still reach it, or fail while the actor restarts
+        # (ActorUnavailableError). The restarted one is the one whose history says so.
+        deadline, events = time.time() + 120, []
+        while time.time() < deadline and not any("restarted" in e for e in events):
             try:
-                assert ray.get(ctl.status.remote(), timeout=30)["settings"]["steps"] == 4
-                break
+                events = ray.get(ctl.history.remote(), timeout=30)
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
-                time.sleep(1)  # ActorUnavailableError: the call reached the actor while it restarted
+                time.sleep(1)
+        assert ray.get(ctl.status.remote(), timeout=30)["settings"]["steps"] == 4  # read back from the saved settings
         # no new records: the killed job's trigger window is put back, so the expert is due again at once
-        deadline, events = time.time() + 300, []
+        deadline = time.time() + 300
         # A sweep that ran before the control store marked the Train controller dead finds it at the next
         # (SWEEP_S later), which may come after the next job: wait for both. The rearmed job is due at the first
         # poll, maybe while the dead job's group still holds the CPUs: its workers may fail to start, and the
