@@ -209,7 +209,7 @@ class Verifier(_Batched):
         # row and record trace are bounded by the core's LRU caps.)
         self.released: OrderedDict[str, None] = OrderedDict()
         self.versions: dict[str, int] = {}  # expert -> the draft version of the latest proposal verified
-        self.store_current: dict[str, tuple[dict | None, float]] = {}  # expert -> (its store's manifest, read when)
+        self.store_manifest: dict[str, tuple[dict | None, float]] = {}  # expert -> (its store's manifest, read when)
         # expert -> released sequences by finish_reason, as the router reports it (none: its client went
         # away, "abort"); /admin/experts' "finished", as the colocated engine counts them
         self.finished: defaultdict[str, Counter] = defaultdict(Counter)
@@ -253,16 +253,16 @@ class Verifier(_Batched):
         shared store's manifest, read at most once a second per expert, off the loop."""
         was, manifest = self.versions.get(expert), None
         if was is not None and self.cfg.distill.enabled:  # the first version seen is logged whatever it is
-            entry = self.store_current.get(expert)
+            entry = self.store_manifest.get(expert)
             manifest = entry[0] if entry else None
             if entry is None or now - entry[1] > STORE_READ_S:
                 try:
                     manifest = await asyncio.to_thread(read_manifest, _versions_dir(self.cfg) / expert)
                 except (OSError, ValueError) as e:  # a shared disk's hiccup (ESTALE): the last one read stands
                     logging.getLogger(__name__).debug("reading %s's versions failed: %r", expert, e)
-                if self.store_current.get(expert) is not entry:
+                if self.store_manifest.get(expert) is not entry:
                     return  # note_rollback meanwhile: this read may predate it; the next proposal reads again
-                self.store_current[expert] = manifest, now
+                self.store_manifest[expert] = manifest, now
         if (row := version_row(version, was, manifest)) is not None:
             self.versions[expert] = version
             self.telemetry.on_event(expert, **row)
@@ -270,7 +270,7 @@ class Verifier(_Batched):
     async def note_rollback(self, expert: str, version: int, newest: int | None = None) -> None:
         """A rollback to version (admin): its row and serving_version now, not at the next proposal; the
         store, which the Router has rolled back, is read again at the next. newest: from older Routers, unused."""
-        self.store_current[expert] = None, float("-inf")  # a new entry: a read under way is dropped, the next reads
+        self.store_manifest[expert] = None, float("-inf")  # a new entry: a read under way is dropped, the next reads
         self.versions[expert] = version
         self.telemetry.on_event(expert, version=version, rollback=1)
 

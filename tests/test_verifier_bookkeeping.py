@@ -45,7 +45,7 @@ def _verifier(monkeypatch, now: list[float], versions_dir=None, distill: bool = 
     telemetry = SimpleNamespace(on_step=lambda *a: None, on_request=lambda *a: None,
                                 on_event=lambda expert, version, **kw: events.append((expert, version, *kw.values())))
     v = SimpleNamespace(live={}, released=OrderedDict(), versions={}, finished=defaultdict(Counter), recomputed=0,
-                        core=core, telemetry=telemetry, store_current={},
+                        core=core, telemetry=telemetry, store_manifest={},
                         cfg=SimpleNamespace(distill=SimpleNamespace(enabled=distill)))
     v._note_version = lambda expert, version, t: cls._note_version(v, expert, version, t)
 

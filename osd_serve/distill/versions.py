@@ -110,14 +110,11 @@ class VersionStore:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.keep_last = keep_last
-        m = self.root / "manifest.json"
-        self.manifest = json.loads(m.read_text()) if m.exists() else {"current": None, "versions": []}
+        self.manifest = read_manifest(self.root) or {"current": None, "versions": []}
 
     def refresh(self) -> int | None:
         """Re-read the manifest (another process may have published); returns the current version."""
-        m = self.root / "manifest.json"
-        if m.exists():
-            self.manifest = json.loads(m.read_text())
+        self.manifest = read_manifest(self.root) or self.manifest
         return self.current
 
     @property
