@@ -7,10 +7,9 @@ publishes draft versions.
     DistillController: buffer due? + spare capacity? -> TorchTrainer(N workers) -> guard -> VersionStore
     SpecServer / DraftPool replicas poll the VersionStore and hot-swap (osd_serve/distill/versions.py:VersionWatcher)
 
-Records live in the object store: the buffer actor puts them there (so it owns them, and a replica
-that dies does not take its records along) and holds only their refs and byte sizes. The byte bound, the size/age
-triggers and FIFO/reservoir eviction are the core ReplayBuffer's, applied to the refs. The Train job
-itself (its worker count and its TorchTrainer run) is deployments/train_job.py.
+The buffer actor (records in the object store, and as files a restart reads back) is
+deployments/replay_actor.py; the Train job itself (its worker count and its TorchTrainer run) is
+deployments/train_job.py.
 """
 
 from __future__ import annotations
@@ -23,14 +22,14 @@ import os
 import threading
 import time
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
 
-from osd_serve.distill.guard import retire_guard_samples
 from osd_serve.distill.joblog import JobLog, json_safe
-from osd_serve.distill.replay import Backoff, BufferConfig, ReplayBuffer
+from osd_serve.distill.replay import Backoff, BufferConfig
+
+from .replay_actor import RecordRef, ReplayBufferActor, _ReplayBufferActor  # noqa: F401  pickled by reference by name here
 
 from .train_job import (free_orphaned_train_reservations, idle_per_node, plan_workers, remove_stale_runs,  # noqa: F401  the actors' API
                         run_train_job, stale_run_age_s)
@@ -40,97 +39,6 @@ from .train_job import train_loop_per_worker  # noqa: F401,E402
 
 logger = logging.getLogger("ray.serve")
 BUFFER_NAME, CONTROLLER_NAME, NAMESPACE = "osd-replay-buffer", "osd-distill-controller", "osd-serve"
-
-
-@dataclass
-class RecordRef:
-    """What the buffer keeps per record: the object ref and what eviction needs."""
-
-    ref: list  # [ObjectRef] (wrapped in a list so Ray never resolves it on the way in)
-    nbytes: int
-    expert: str
-    heldout: bool = False  # a guard sample (ReplayRecord.heldout)
-    created: float = field(default_factory=time.monotonic)
-
-
-class _ReplayBufferActor:
-    """pair: [target, draft] of the application's config. Records hold the pair's token ids and target
-    distributions, which would train another pair's draft to fit a model it does not serve with."""
-
-    def __init__(self, cfg: dict):
-        self.buffer = ReplayBuffer(BufferConfig(**cfg))
-        # No pair until configure() (connect calls it at once): a restart (max_restarts) re-runs __init__
-        # with its creation's arguments, and a creation pair would then refuse every record of the pair a
-        # redeploy has moved to, silently (records are fire and forget).
-        self.pair: list[str] | None = None
-        # expert -> the trigger window a job took and has not finished or put back (rearm). A controller killed
-        # mid-job does neither: its restart puts it back (rearm_taken), not a whole new trigger later.
-        self.taken: dict[str, tuple] = {}
-
-    def configure(self, cfg: dict, pair: list[str] | None = None) -> None:
-        """The actor is detached and outlives the app: a redeploy brings its config here, and a
-        redeploy onto another pair empties the buffer."""
-        if self._another_pair(pair):
-            logger.warning("replay buffer: the pair changed from %s to %s; its records are dropped", self.pair, pair)
-            self.buffer, self.taken = ReplayBuffer(BufferConfig(**cfg)), {}
-        else:
-            self.buffer.reconfigure(BufferConfig(**cfg))
-        self.pair = pair if pair is not None else self.pair
-
-    def _another_pair(self, pair: list[str] | None) -> bool:
-        """Whether ``pair`` names another pair than the buffer's (None on either side: no pair known)."""
-        return pair is not None and self.pair is not None and list(pair) != list(self.pair)
-
-    def add(self, expert: str, record, nbytes: int, pair: list[str] | None = None) -> bool:
-        if self._another_pair(pair):
-            return False  # from a replica of the pair before a redeploy, serving until the new ones are up
-        # Put here, not by the sender: the object's owner is the process that put it, and the
-        # buffer must own its records, or a replica that goes away would take its records along.
-        return self.buffer.add(RecordRef([ray.put(record)], nbytes, expert, getattr(record, "heldout", False)))
-
-    def due(self, cfg: dict | None = None, pair: list[str] | None = None) -> dict[str, str]:
-        """cfg, pair: the application's current ones (the controller's saved settings). A restart re-ran
-        __init__ with its creation's config, and nothing configured it again until a replica started."""
-        if cfg is not None and self.pair is None:
-            self.configure(cfg, pair)
-        return self.buffer.due()
-
-    def take(self, expert: str) -> tuple[list, list[bool], tuple]:
-        """All refs of the expert's shard, oldest first, which are guard samples, and the trigger window
-        this closes (a new one starts; ``rearm`` puts it back if the job fails)."""
-        shard = self.buffer.shard(expert)
-        if expert in self.taken:  # taken by a job never finished (its controller killed): this window holds it too
-            shard.rearm(self.taken.pop(expert))
-        window = self.taken[expert] = shard.mark_updated()
-        return [r.ref[0] for r in shard.records], [r.heldout for r in shard.records], window
-
-    def finish(self, expert: str) -> None:  # the job that took the window ended: published, refused or skipped
-        self.taken.pop(expert, None)
-
-    def rearm(self, expert: str, window: tuple) -> None:
-        self.taken.pop(expert, None)
-        self.buffer.shard(expert).rearm(window)
-
-    def rearm_taken(self) -> dict[str, int]:
-        """Put back every window still taken: called by a controller as it starts, when no job of its can be
-        running, so these are its former incarnation's, killed mid-job. Returns expert -> records put back."""
-        taken, self.taken = self.taken, {}
-        for expert, window in taken.items():
-            self.buffer.shard(expert).rearm(window)
-        return {expert: window[0] for expert, window in taken.items()}
-
-    def retire(self, expert: str, refs: list) -> None:
-        """refs: guard samples an update trained on and published (guard.retire_guard_samples)."""
-        trained = set(refs)
-        retire_guard_samples([r for r in self.buffer.shard(expert).records if r.ref[0] in trained])
-
-    def stats(self) -> dict:
-        return {e: {"records": len(s.records), "bytes": s.nbytes, "seen": s.seen} for e, s in self.buffer.shards.items()}
-
-
-# Not decorated in place: importable by their own names, the classes are pickled by reference. By value
-# (the name held the actor class), unpickling rewrote the class's methods here, with their own globals.
-ReplayBufferActor = ray.remote(num_cpus=0)(_ReplayBufferActor)
 
 
 class _DistillController:
@@ -451,7 +359,7 @@ def connect(cfg, app: str | None = None) -> tuple:
     opts = {"namespace": NAMESPACE, "get_if_exists": True, "lifetime": "detached", "max_restarts": -1}
     buffer_cfg = {"max_bytes": d.buffer_mb << 20, "trigger_records": d.trigger_records, "trigger_age_s": d.trigger_age_s}
     pair = pair_of(cfg)
-    buffer = ReplayBufferActor.options(name=buffer_name, **opts).remote(buffer_cfg)
+    buffer = ReplayBufferActor.options(name=buffer_name, **opts).remote(buffer_cfg, str(versions / ".replay"))
     train = {"mode": d.mode, "lr": d.lr, "steps_per_update": d.steps_per_update}
     args = (model_paths(cfg)[1], str(versions), train, d.steps_per_update, d.max_train_workers)
     extra = {"keep_versions": d.keep_versions, "buffer_cfg": buffer_cfg, "pair": pair}

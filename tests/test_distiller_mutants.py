@@ -1,7 +1,6 @@
-"""Gaps a mutation audit of deployments/distiller.py found, tested without a Ray cluster: each test
-here failed on a mutant (a changed bound, branch or argument) that the rest of the suite let pass.
-Ray's remote machinery is replaced by plain calls; the code under test is the classes behind
-@ray.remote. The config and app builder's tests are in test_deploy_mutants.py."""
+"""Gaps a mutation audit of deployments/distiller.py found, tested without a Ray cluster: each test here
+failed on a mutant (a changed bound, branch or argument) the rest of the suite let pass. Ray's remote
+machinery is replaced by plain calls; the code under test is the classes behind @ray.remote."""
 
 from __future__ import annotations
 
@@ -16,6 +15,7 @@ from deployments.config import parse_config
 pytest.importorskip("ray.serve")
 
 import deployments.distiller as dist  # noqa: E402
+import deployments.replay_actor as replay_actor  # noqa: E402
 
 # ---- distiller.py: the capacity plan ------------------------------------------------------------------
 
@@ -63,8 +63,9 @@ def plain_ray(monkeypatch):
     """distiller's `ray` with no cluster: get and put are the identity, the buffer actor is a plain one;
     and no controller thread is started (each test drives _loop itself)."""
     buffer = _cls(dist.ReplayBufferActor)({"max_bytes": 1 << 20, "trigger_records": 4, "trigger_age_s": 60.0})
-    monkeypatch.setattr(dist, "ray", SimpleNamespace(get=lambda x: x, put=lambda x: x,
-                                                     get_actor=lambda name, namespace: _actor(buffer)))
+    fake = SimpleNamespace(get=lambda x: x, put=lambda x: x, get_actor=lambda name, namespace: _actor(buffer))
+    for module in (dist, replay_actor):
+        monkeypatch.setattr(module, "ray", fake)
     monkeypatch.setattr(dist, "threading", SimpleNamespace(Event=threading.Event,
                                                            Thread=lambda **kw: SimpleNamespace(start=lambda: None)))
     return buffer
@@ -74,7 +75,7 @@ def test_a_redeploy_onto_another_pair_empties_the_buffer_and_refuses_the_old_pai
     """Records hold a pair's token ids and target distributions: kept across a redeploy that changed
     the pair, they trained the new draft to fit the old target, and the old pair's replicas, serving
     until the new ones are up, went on adding more."""
-    monkeypatch.setattr(dist, "ray", SimpleNamespace(put=lambda x: x))
+    monkeypatch.setattr(replay_actor, "ray", SimpleNamespace(put=lambda x: x))
     cfg = {"max_bytes": 1 << 20, "trigger_records": 4, "trigger_age_s": 60.0}
     old, new = ["t1", "d1"], ["t2", "d1"]
     buffer = _cls(dist.ReplayBufferActor)(cfg)
@@ -306,7 +307,7 @@ def test_connect_gives_the_actors_the_config(monkeypatch):
     names = dist.actor_names("llama")
     pair = ["org/target", "org/draft"]
     extra = {"keep_versions": 2, "buffer_cfg": buffer_cfg, "pair": pair}  # the buffer's: a restarted one gets them
-    assert made == [("buffer", {"name": names[0], **opts}, (buffer_cfg,), {}),
+    assert made == [("buffer", {"name": names[0], **opts}, (buffer_cfg, "/vs/llama/.replay"), {}),
                     ("controller", {"name": names[1], **opts}, args, {"buffer_name": names[0], **extra})]
     # the time limit as its own keyword: an older (detached) controller refuses it rather than failing every job
     assert configured == [("buffer", (buffer_cfg, pair), {}), ("controller", args, {"train_time_limit_s": 45.0, **extra})]

@@ -236,6 +236,34 @@ def test_a_redeploy_reconfigures_the_detached_actors(cluster, gpus_busy, data, t
         ray.kill(ctl)
 
 
+def test_a_killed_buffer_comes_back_with_its_records(cluster, data, tmp_path):
+    """End to end: records in the object store die with the actor that owns them; the restarted actor reads
+    their files back and puts them again, so a job's ray.get of the refs it takes gets the same records."""
+    _, _, train, held, _ = data
+    cfg, pair, kept = {"max_bytes": 1 << 30, "trigger_records": 100, "trigger_age_s": 3600}, ["t", "d"], train[:5] + held[:2]
+    buf = ReplayBufferActor.options(max_restarts=-1).remote(cfg, str(tmp_path / ".replay"))
+    try:
+        ray.get(buf.configure.remote(cfg, pair))
+        for r in kept:
+            ray.get(buf.add.remote("default", r, r.nbytes, pair))
+        ray.kill(buf, no_restart=False)
+        # Only a restarted buffer takes the config a poll hands it (the old process, while it lives, keeps
+        # its own): the first answer "due" is the restarted one's.
+        deadline, due = time.time() + 120, {}
+        while time.time() < deadline and not due:
+            try:
+                due = ray.get(buf.due.remote({**cfg, "trigger_records": 3}, pair), timeout=30)
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+                time.sleep(0.5)
+        assert due == {"default": "size"}  # 7 records, none trained on: they count toward the trigger again
+        refs, flags, _ = ray.get(buf.take.remote("default"))
+        got = ray.get(refs, timeout=60)
+        assert [g.response_ids.tolist() for g in got] == [r.response_ids.tolist() for r in kept]
+        assert all(torch.equal(g.probs, r.probs) for g, r in zip(got, kept)) and flags == [False] * 5 + [True] * 2
+    finally:
+        ray.kill(buf)
+
+
 def test_a_controller_killed_mid_job_frees_its_reservation_once_restarted(cluster, gpus_busy, data, tmp_path):
     """End to end: the job's reservation outlived the killed controller (the dashboard is off here, so
     Ray Train's own cleaner cannot tell its controller died), and the restarted one, the same detached

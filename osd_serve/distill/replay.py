@@ -102,8 +102,9 @@ class Shard:
     training data. A guard sample that a published update trained on is no longer one
     (guard.retire_guard_samples), so evicting newer ones never brings it back into the held-out slice."""
 
-    def __init__(self, cfg: BufferConfig, rng: random.Random):
+    def __init__(self, cfg: BufferConfig, rng: random.Random, on_drop=None):
         self.cfg, self.rng = cfg, rng
+        self.on_drop = on_drop  # called with each record evicted (the Ray buffer removes its file, spill.py)
         self.records: deque[ReplayRecord] = deque()
         self.nbytes = 0
         self.seen = 0  # records ever offered (for reservoir)
@@ -125,7 +126,7 @@ class Shard:
                 return False
             self._evict_random(self.cfg.max_bytes - rec.nbytes)
         while self.records and self.nbytes + rec.nbytes > self.cfg.max_bytes:
-            self.nbytes -= self.records.popleft().nbytes
+            self._dropped(self.records.popleft())
         self.records.append(rec)
         self.nbytes += rec.nbytes
         self.new_since_update += 1
@@ -138,7 +139,7 @@ class Shard:
         if self.cfg.eviction == "reservoir":
             self._evict_random(max_bytes)
         while self.records and self.nbytes > max_bytes:
-            self.nbytes -= self.records.popleft().nbytes
+            self._dropped(self.records.popleft())
         if not self.records:
             # Emptied (every record larger than the new bound): a reservoir that stayed 'full' kept
             # each new record with probability len(records)/seen = 0, and refused every one for good;
@@ -149,8 +150,13 @@ class Shard:
     def _evict_random(self, max_bytes: int) -> None:
         while self.records and self.nbytes > max_bytes:
             victim = self.rng.randrange(len(self.records))
-            self.nbytes -= self.records[victim].nbytes
+            self._dropped(self.records[victim])
             del self.records[victim]
+
+    def _dropped(self, rec) -> None:
+        self.nbytes -= rec.nbytes
+        if self.on_drop is not None:
+            self.on_drop(rec)
 
     def due(self, now: float | None = None) -> str | None:
         """'size' or 'age' when an update is due, else None."""
@@ -179,14 +185,15 @@ class Shard:
 class ReplayBuffer:
     """One shard per draft expert, so experts are fed and trained separately."""
 
-    def __init__(self, cfg: BufferConfig | None = None):
+    def __init__(self, cfg: BufferConfig | None = None, on_drop=None):
         self.cfg = cfg or BufferConfig()
         self._rng = random.Random(self.cfg.seed)
+        self.on_drop = on_drop
         self.shards: dict[str, Shard] = {}
 
     def shard(self, expert: str) -> Shard:
         if expert not in self.shards:
-            self.shards[expert] = Shard(self.cfg, self._rng)
+            self.shards[expert] = Shard(self.cfg, self._rng, self.on_drop)
         return self.shards[expert]
 
     def add(self, rec: ReplayRecord, now: float | None = None) -> bool:
