@@ -236,7 +236,10 @@ class _DistillController:
             self.buffer.rearm.remote(expert, window)  # retried after the loop's back-off, not a whole trigger later
             raise
         if (finish := getattr(self.buffer, "finish", None)) is not None:  # None: a buffer made by an older osd-serve
-            finish.remote(expert)  # its window is used up: a later restart does not put it back
+            try:  # its window is used up: a later restart (of either actor) does not put it back
+                finish.remote(expert, window)
+            except TypeError:  # a buffer made before finish took the window
+                finish.remote(expert)
         return event
 
     def _job(self, expert: str, why: str, plan: dict, refs: list, flags: list[bool]) -> dict:
@@ -287,8 +290,8 @@ class _DistillController:
                 try:
                     ray.get(self.buffer.retire.remote(expert, [refs[i] for i in split[0] if flags[i]]))
                 except Exception as e:  # noqa: BLE001  published: failing the job here rearmed its window, and the
-                    # same records were trained again over the version that holds them. A restarted buffer
-                    # holds none of them anyway.
+                    # same records were trained again over the version that holds them. (A restarted buffer holds
+                    # them under new refs, which match none of these: they stay guard samples.)
                     logger.warning("distill controller: %s: version %s published, retiring its guard samples failed: %r",
                                    expert, version, e)
         return {"expert": expert, "trigger": why, "plan": plan, "published": version is not None, "reason": reason,
@@ -354,12 +357,16 @@ def connect(cfg, app: str | None = None) -> tuple:
     versions = versions_root(cfg, app)
     buffer_name, controller_name = actor_names(app or "default")  # outside a replica: the default application's
     # Restarted if they die (an OOM kill of the controller's guard loads): replicas keep their handles, and
-    # fire-and-forget records and heartbeats to a dead actor were lost without a word. A restart starts
-    # empty; the controller reads its last settings back, the buffer takes any pair until configure().
+    # fire-and-forget records and heartbeats to a dead actor were lost without a word. The controller reads its
+    # last settings back; the buffer its records (replay_actor.py), and the settings at the controller's next poll.
     opts = {"namespace": NAMESPACE, "get_if_exists": True, "lifetime": "detached", "max_restarts": -1}
     buffer_cfg = {"max_bytes": d.buffer_mb << 20, "trigger_records": d.trigger_records, "trigger_age_s": d.trigger_age_s}
     pair = pair_of(cfg)
-    buffer = ReplayBufferActor.options(name=buffer_name, **opts).remote(buffer_cfg, str(versions / ".replay"))
+    # Its calls retried across a restart (max_task_retries): records sent while it restarts reach the new
+    # process, where they were lost (a kill during a burst lost 6 of 80). take, finish and rearm are safe
+    # to repeat; an add whose reply was lost keeps its record twice, the smaller harm.
+    buffer = ReplayBufferActor.options(name=buffer_name, max_task_retries=-1, **opts).remote(
+        buffer_cfg, str(versions / ".replay"))
     train = {"mode": d.mode, "lr": d.lr, "steps_per_update": d.steps_per_update}
     args = (model_paths(cfg)[1], str(versions), train, d.steps_per_update, d.max_train_workers)
     extra = {"keep_versions": d.keep_versions, "buffer_cfg": buffer_cfg, "pair": pair}

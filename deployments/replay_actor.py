@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import ray
 
 from osd_serve.distill.guard import retire_guard_samples
 from osd_serve.distill.replay import BufferConfig, ReplayBuffer
-from osd_serve.distill.spill import RecordSpill, restore
+from osd_serve.distill.spill import RecordSpill, SpillWriter, count_new, restore
 
 logger = logging.getLogger("ray.serve")
 
@@ -35,27 +36,49 @@ class _ReplayBufferActor:
     """pair: [target, draft] of the application's config. Records hold the pair's token ids and target
     distributions, which would train another pair's draft to fit a model it does not serve with."""
 
+    UNBOUNDED = 1 << 62  # the bound of a buffer read back, until configure() brings the current one
+
     def __init__(self, cfg: dict, spill_dir: str | None = None):
         # Records are also files (spill.py): a restart (max_restarts) re-runs this and reads them back, with
         # the pair they belong to, instead of starting empty. None: in memory only (an older connect).
-        self.spill = RecordSpill(spill_dir) if spill_dir else None
+        self.spill = SpillWriter(RecordSpill(spill_dir)) if spill_dir else None
         self.buffer = self._new_buffer(cfg)
         # No pair until configure() (connect calls it at once), or the one the records read back belong to:
         # a creation pair would refuse every record of the pair a redeploy has moved to, silently.
-        self.pair: list[str] | None = self.spill.pair() if self.spill else None
+        self.pair: list[str] | None = None
+        self.spilled_pair: list[str] | None = None  # the pair the files are of (not re-read: an NFS hiccup)
         self.configured = False  # the restart's cfg is its creation's: the controller's poll brings the current
         # expert -> the trigger window a job took and has not finished or put back (rearm), and the newest seq in
         # it. A controller killed mid-job does neither: its restart puts it back (rearm_taken).
         self.taken: dict[str, tuple] = {}
         self.marks: dict[str, int] = {}
-        self.seq = 0
-        if self.pair is not None:
-            kept, self.seq = restore(self.spill, self.buffer, lambda s, created: RecordRef(
+        self.seq = 0  # the next record's file number, one counter over all experts
+        # A job's window names the process it was taken from: one of a former process's, put back or finished
+        # here, is of records restore() counted already
+        self.incarnation = uuid.uuid4().hex
+        self.restored = False  # records read back: seqs go on from the former process's
+        if self.spill:
+            self._restore(cfg)
+
+    def _restore(self, cfg: dict) -> None:
+        disk = self.spill.disk
+        try:
+            self.pair = self.spilled_pair = disk.pair()
+            if self.pair is None:
+                return
+            # Unbounded until configure(): this is the creation's cfg, and a redeploy may have raised buffer_mb
+            # since; evicting here would delete the files of records the current bound keeps
+            self.buffer = self._new_buffer({**cfg, "max_bytes": self.UNBOUNDED})
+            kept, self.seq = restore(disk, self.buffer, lambda s, created: RecordRef(
                 [ray.put(s.record)], s.record.nbytes, s.record.expert, s.record.heldout, created, s.seq))
-            logger.warning("replay buffer: %d records read back from %s", kept, self.spill.root)
+            self.restored = True
+            logger.warning("replay buffer: %d records read back from %s", kept, disk.root)
+        except Exception as e:  # noqa: BLE001  a restart that raises is not retried: start empty rather than not at all
+            logger.warning("replay buffer: reading records back from %s failed (%r); starting empty", disk.root, e)
+            self.buffer, self.pair, self.spilled_pair, self.seq = self._new_buffer(cfg), None, None, 0
 
     def _new_buffer(self, cfg: dict) -> ReplayBuffer:
-        drop = (lambda r: r.seq >= 0 and self.spill.drop(r.expert, r.seq)) if self.spill else None
+        drop = (lambda r: self.spill.drop(r.expert, r.seq)) if self.spill else None
         return ReplayBuffer(BufferConfig(**cfg), on_drop=drop)
 
     def configure(self, cfg: dict, pair: list[str] | None = None) -> None:
@@ -68,8 +91,9 @@ class _ReplayBufferActor:
             self.buffer.reconfigure(BufferConfig(**cfg))
         self.pair = pair if pair is not None else self.pair
         self.configured = True
-        if self.spill and pair is not None and self.spill.pair() != list(pair):
+        if self.spill and pair is not None and list(pair) != self.spilled_pair:
             self.spill.reset(pair)  # any files left are another pair's, or of no known pair
+            self.spilled_pair = list(pair)
 
     def _another_pair(self, pair: list[str] | None) -> bool:
         """Whether ``pair`` names another pair than the buffer's (None on either side: no pair known)."""
@@ -83,9 +107,10 @@ class _ReplayBufferActor:
         ref = RecordRef([ray.put(record)], nbytes, expert, getattr(record, "heldout", False))
         if not self.buffer.add(ref):
             return False
-        if self.spill and self.pair is not None and self.spill.save(self.seq, expert, record):
-            ref.seq = self.seq  # one counter over all experts: take() marks the newest a job holds
+        ref.seq = self.seq  # its file's name, if it gets one (a disk can refuse it)
         self.seq += 1
+        if self.spill and self.spilled_pair is not None:
+            self.spill.save(ref.seq, expert, record)
         return True
 
     def due(self, cfg: dict | None = None, pair: list[str] | None = None) -> dict[str, str]:
@@ -97,23 +122,38 @@ class _ReplayBufferActor:
 
     def take(self, expert: str) -> tuple[list, list[bool], tuple]:
         """All refs of the expert's shard, oldest first, which are guard samples, and the trigger window
-        this closes (a new one starts; ``rearm`` puts it back if the job fails)."""
+        this closes (a new one starts; ``rearm`` puts it back if the job fails, ``finish`` ends it)."""
         shard = self.buffer.shard(expert)
         if expert in self.taken:  # taken by a job never finished (its controller killed): this window holds it too
             shard.rearm(self.taken.pop(expert))
         window = self.taken[expert] = shard.mark_updated()
         self.marks[expert] = self.seq - 1
-        return [r.ref[0] for r in shard.records], [r.heldout for r in shard.records], window
+        return [r.ref[0] for r in shard.records], [r.heldout for r in shard.records], (*window, self.incarnation,
+                                                                                      self.seq - 1)
 
-    def finish(self, expert: str) -> None:  # the job that took the window ended: published, refused or skipped
-        self.taken.pop(expert, None)
-        if (mark := self.marks.pop(expert, None)) is not None and self.spill:
-            self.spill.finished(expert, mark, self.buffer.shard(expert).seen)
+    def _mine(self, window: tuple | None) -> bool:
+        return window is None or len(window) < 4 or window[2] == self.incarnation
+
+    def finish(self, expert: str, window: tuple | None = None) -> None:
+        """The job that took the window ended: published, refused or skipped. Its records no longer count toward
+        the trigger, also after a restart (spill.py's state.json), and also when this process is not the one
+        it took them from: restore() counted them again, and that job trained on them all the same."""
+        shard, mark = self.buffer.shard(expert), None
+        if self._mine(window):
+            self.taken.pop(expert, None)
+            mark = self.marks.pop(expert, None)
+        elif self.restored:  # else this process started empty: what that job took is gone, and the numbering anew
+            mark = window[3]
+            count_new(shard, mark)
+        if mark is not None and self.spill:
+            self.spill.finished(expert, mark, shard.seen)
 
     def rearm(self, expert: str, window: tuple) -> None:
+        if not self._mine(window):
+            return  # a failed job's window from this actor's former process: restore() counted its records already
         self.taken.pop(expert, None)
         self.marks.pop(expert, None)
-        self.buffer.shard(expert).rearm(window)
+        self.buffer.shard(expert).rearm(window[:2])
 
     def rearm_taken(self) -> dict[str, int]:
         """Put back every window still taken: called by a controller as it starts, when no job of its can be
@@ -128,9 +168,14 @@ class _ReplayBufferActor:
         trained = set(refs)
         retired = [r for r in self.buffer.shard(expert).records if r.ref[0] in trained]
         for r in retired:
-            if self.spill and r.heldout and r.seq >= 0:
+            if self.spill and r.heldout:
                 self.spill.unguard(expert, r.seq)
         retire_guard_samples(retired)
+
+    def flush(self) -> None:
+        """Wait for the record files written so far (tests, and an operator before a planned kill)."""
+        if self.spill:
+            self.spill.flush()
 
     def stats(self) -> dict:
         return {e: {"records": len(s.records), "bytes": s.nbytes, "seen": s.seen} for e, s in self.buffer.shards.items()}

@@ -4,6 +4,7 @@ the object-store replay buffer, a Ray Train job, and the controller publishing a
 from __future__ import annotations
 
 import math
+import os
 import time
 
 import pytest
@@ -241,12 +242,19 @@ def test_a_killed_buffer_comes_back_with_its_records(cluster, data, tmp_path):
     their files back and puts them again, so a job's ray.get of the refs it takes gets the same records."""
     _, _, train, held, _ = data
     cfg, pair, kept = {"max_bytes": 1 << 30, "trigger_records": 100, "trigger_age_s": 3600}, ["t", "d"], train[:5] + held[:2]
-    buf = ReplayBufferActor.options(max_restarts=-1).remote(cfg, str(tmp_path / ".replay"))
+    buf = ReplayBufferActor.options(max_restarts=-1, max_task_retries=-1).remote(cfg, str(tmp_path / ".replay"))  # connect()'s
     try:
         ray.get(buf.configure.remote(cfg, pair))
-        for r in kept:
+        for r in kept[:5]:
             ray.get(buf.add.remote("default", r, r.nbytes, pair))
+        ray.get(buf.flush.remote())  # its files written (a kill loses the writes still queued)
+        pid = ray.get(buf.__ray_call__.remote(lambda self: os.getpid()))
         ray.kill(buf, no_restart=False)
+        deadline = time.time() + 60
+        while time.time() < deadline and os.path.exists(f"/proc/{pid}"):  # ray.kill returns before it dies
+            time.sleep(0.05)
+        for r in kept[5:]:  # sent while it restarts: retried onto the new process (max_task_retries), not lost
+            buf.add.remote("default", r, r.nbytes, pair)
         # Only a restarted buffer takes the config a poll hands it (the old process, while it lives, keeps
         # its own): the first answer "due" is the restarted one's.
         deadline, due = time.time() + 120, {}

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
+import threading
 import time
 from types import SimpleNamespace
 
@@ -15,6 +17,7 @@ import safetensors.torch as st
 import torch
 
 from osd_serve.distill.replay import BufferConfig, ReplayBuffer, make_record
+from osd_serve.distill import spill as sp
 from osd_serve.distill.spill import RecordSpill, restore
 
 CFG = {"max_bytes": 1 << 20, "trigger_records": 4, "trigger_age_s": 60.0}
@@ -104,7 +107,15 @@ def _started(cls, root, cfg=CFG):
     return b
 
 
-def _files(root, expert="default"):
+def _restarted(cls, old, root, cfg=CFG):
+    """What Ray runs when the actor's process dies: __init__ with the creation's arguments, no configure()
+    yet. The old one's queued writes are waited for first (a real kill loses those: the last moments')."""
+    old.flush()
+    return cls(cfg, str(root))
+
+
+def _files(b, root, expert="default"):
+    b.flush()
     return sorted(p.name for p in (root / expert).glob("*.safetensors"))
 
 
@@ -112,14 +123,14 @@ def test_a_restarted_buffer_has_its_records_guard_flags_and_trigger_back(actor_c
     b = _started(actor_cls, tmp_path)
     for i in range(4):
         assert b.add("default", _record(i, heldout=i == 1), 999, PAIR)
-    refs, flags, _ = b.take("default")  # a job trained on the 4 and published
+    refs, flags, window = b.take("default")  # a job trained on the 4 and published
     b.retire("default", [refs[1]])
-    b.finish("default")
+    b.finish("default", window)
     b.add("default", _record(4), 999, PAIR)
     b.add("sql", _record(5, "sql", heldout=True), 999, PAIR)
     assert b.due() == {}
 
-    again = actor_cls(CFG, str(tmp_path))  # what Ray runs on a restart: no configure() yet
+    again = _restarted(actor_cls, b, tmp_path)
     assert again.pair == PAIR  # the pair the records belong to: another pair's replicas are refused
     assert {e: s["records"] for e, s in again.stats().items()} == {"default": 5, "sql": 1}
     assert [r.seq for r in again.buffer.shard("default").records] == [0, 1, 2, 3, 4]
@@ -135,12 +146,75 @@ def test_a_restarted_buffer_has_its_records_guard_flags_and_trigger_back(actor_c
     assert again.buffer.shard("default").records[-1].seq == 8  # numbering goes on; no file is overwritten
 
 
-def test_records_a_job_held_when_the_buffer_died_are_due_again(actor_cls, tmp_path):
+def test_a_record_added_while_a_job_ran_counts_after_a_restart(actor_cls, tmp_path):
     b = _started(actor_cls, tmp_path)
     for i in range(4):
         b.add("default", _record(i), 999, PAIR)
-    b.take("default")  # the job's records died with the buffer: it fails, and they must be trained again
-    assert actor_cls(CFG, str(tmp_path)).due() == {"default": "size"}
+    _, _, window = b.take("default")
+    b.add("default", _record(4), 999, PAIR)  # while the job runs: not in it
+    b.finish("default", window)
+    assert _restarted(actor_cls, b, tmp_path).buffer.shard("default").new_since_update == 1
+
+
+def test_numbering_after_a_restart_never_falls_back_to_a_finished_seq(actor_cls, tmp_path):
+    b = _started(actor_cls, tmp_path)
+    for i in range(4):
+        b.add("default", _record(i), 999, PAIR)
+    b.finish("default", b.take("default")[2])  # records 0..3 finished
+    b.configure({**CFG, "max_bytes": 1}, PAIR)  # every record and its file dropped
+    again = _restarted(actor_cls, b, tmp_path)
+    again.configure(CFG, PAIR)
+    again.add("default", _record(9), 999, PAIR)  # numbered 4: as 0, it would count as finished after a restart
+    assert _restarted(actor_cls, again, tmp_path).buffer.shard("default").new_since_update == 1
+
+
+def test_records_a_job_held_when_the_buffer_died_are_due_again_and_counted_once(actor_cls, tmp_path):
+    b = _started(actor_cls, tmp_path)
+    for i in range(3):
+        b.add("default", _record(i), 999, PAIR)
+    _, _, window = b.take("default")  # the job's refs die with the buffer: it fails, and they must be trained again
+    again = _restarted(actor_cls, b, tmp_path)
+    assert again.buffer.shard("default").new_since_update == 3
+    again.rearm("default", window)  # the failed job's rearm reaches the restarted buffer: counted already
+    assert again.buffer.shard("default").new_since_update == 3 and again.due() == {}
+    again.add("default", _record(3), 999, PAIR)
+    assert again.due() == {"default": "size"}
+
+
+def test_a_job_that_finishes_on_a_restarted_buffer_ends_its_window_there(actor_cls, tmp_path):
+    """The buffer died after the job had its records, and the job published: its records are trained on."""
+    b = _started(actor_cls, tmp_path)
+    for i in range(4):
+        b.add("default", _record(i), 999, PAIR)
+    _, _, window = b.take("default")
+    again = _restarted(actor_cls, b, tmp_path)
+    again.add("default", _record(4), 999, PAIR)
+    again.finish("default", window)
+    assert again.buffer.shard("default").new_since_update == 1
+    assert _restarted(actor_cls, again, tmp_path).buffer.shard("default").new_since_update == 1
+    # a buffer that restarted with no files numbers anew: another process's mark would mean other records
+    fresh = actor_cls(CFG)
+    fresh.configure(CFG, PAIR)
+    for i in range(3):
+        fresh.add("default", _record(i), 999, PAIR)
+    fresh.finish("default", window)
+    assert fresh.buffer.shard("default").new_since_update == 3
+
+
+def test_a_restart_keeps_what_the_current_bound_keeps(actor_cls, tmp_path):
+    """Ray restarts the actor with its creation's config; a redeploy raised buffer_mb since. Restored under
+    the creation's bound, the records past it were evicted and their files removed for good."""
+    size = _record(0).nbytes
+    small, big = {**CFG, "max_bytes": 2 * size}, {**CFG, "max_bytes": 100 * size}
+    b = _started(actor_cls, tmp_path, small)
+    b.configure(big, PAIR)
+    for i in range(6):
+        b.add("default", _record(i), size, PAIR)
+    again = _restarted(actor_cls, b, tmp_path, small)
+    again.due(big, PAIR)  # the controller's poll brings the current config
+    assert len(again.buffer.shard("default").records) == 6 and len(_files(again, tmp_path)) == 6
+    again.configure(small, PAIR)  # and a smaller one evicts as ever
+    assert _files(again, tmp_path) == [f"{i:012d}.safetensors" for i in (4, 5)]
 
 
 def test_eviction_removes_the_files_of_the_records_it_drops(actor_cls, tmp_path):
@@ -149,30 +223,61 @@ def test_eviction_removes_the_files_of_the_records_it_drops(actor_cls, tmp_path)
     b = _started(actor_cls, tmp_path, small)
     for i in range(5):
         b.add("default", _record(i), size, PAIR)
-    assert _files(tmp_path) == [f"{i:012d}.safetensors" for i in (2, 3, 4)]
+    assert _files(b, tmp_path) == [f"{i:012d}.safetensors" for i in (2, 3, 4)]
     b.configure({**small, "max_bytes": size}, PAIR)  # a redeploy with a smaller buffer_mb
-    assert _files(tmp_path) == ["000000000004.safetensors"]
+    assert _files(b, tmp_path) == ["000000000004.safetensors"]
     res = _started(actor_cls, tmp_path / "r", {**small, "eviction": "reservoir"})
     for i in range(40):
         res.add("default", _record(i), size, PAIR)
-    assert _files(tmp_path / "r") == [f"{r.seq:012d}.safetensors" for r in res.buffer.shard("default").records]
+    assert _files(res, tmp_path / "r") == [f"{r.seq:012d}.safetensors" for r in res.buffer.shard("default").records]
 
 
 def test_another_pair_empties_the_files_too(actor_cls, tmp_path):
     b = _started(actor_cls, tmp_path)
     for i in range(3):
         b.add("default", _record(i), 999, PAIR)
-    again = actor_cls(CFG, str(tmp_path))  # restarted, read back the old pair's records...
+    again = _restarted(actor_cls, b, tmp_path)  # read back the old pair's records...
     again.due(CFG, ["t2", "d"])  # ...and the controller's first poll names the current pair
-    assert again.stats() == {} and _files(tmp_path) == [] and json.loads((tmp_path / "pair.json").read_text()) == ["t2", "d"]
-    assert actor_cls(CFG, str(tmp_path)).stats() == {}  # nothing of the old pair comes back after a later restart
+    assert again.stats() == {} and _files(again, tmp_path) == []
+    assert json.loads((tmp_path / ".pair.json").read_text()) == ["t2", "d"]
+    assert _restarted(actor_cls, again, tmp_path).stats() == {}  # nothing of the old pair comes back later
+
+
+def test_the_pair_file_is_read_once_and_names_no_expert(actor_cls, tmp_path, monkeypatch):
+    b = _started(actor_cls, tmp_path)
+    for i in range(3):
+        b.add("default", _record(i), 999, PAIR)
+    b.add("pair.json", _record(3, "pair.json"), 999, PAIR)  # a valid expert name
+    monkeypatch.setattr(RecordSpill, "pair", lambda self: None)  # the shared disk failing a read
+    b.configure(CFG, PAIR)  # a replica starting: connect() configures the same pair again
+    monkeypatch.undo()
+    assert len(_files(b, tmp_path)) == 3 and _files(b, tmp_path, "pair.json") == ["000000000003.safetensors"]
+
+
+def test_a_restart_comes_up_whatever_the_disk_does(actor_cls, tmp_path, monkeypatch):
+    """Ray does not retry a restart whose __init__ raises: the buffer would stay dead."""
+    b = _started(actor_cls, tmp_path)
+    b.add("default", _record(0), 999, PAIR)
+    b.flush()
+    (tmp_path / "default" / ".000000000001.safetensors.tmp").write_bytes(b"x")
+
+    def refused(self, missing_ok=False):
+        raise PermissionError(13, "Read-only file system", str(self))
+
+    monkeypatch.setattr(type(tmp_path), "unlink", refused)
+    assert actor_cls(CFG, str(tmp_path)).stats()["default"]["records"] == 1  # the leftover stays; the record is back
+    module, said = sys.modules[actor_cls.__module__], []
+    monkeypatch.setattr(module, "restore", lambda *a: 1 / 0)
+    monkeypatch.setattr(module.logger, "warning", lambda msg, *args: said.append(msg % args))  # ray.serve's: no caplog
+    again = actor_cls(CFG, str(tmp_path))
+    assert again.stats() == {} and again.pair is None and "failed (ZeroDivisionError" in said[-1]
 
 
 def test_a_restart_gets_the_current_config_though_it_knows_its_pair(actor_cls, tmp_path):
     b = _started(actor_cls, tmp_path)
     for i in range(3):
         b.add("default", _record(i), 999, PAIR)
-    again = actor_cls({**CFG, "trigger_records": 8}, str(tmp_path))  # its creation's trigger
+    again = _restarted(actor_cls, b, tmp_path, {**CFG, "trigger_records": 8})  # its creation's trigger
     again.due({**CFG, "trigger_records": 2}, PAIR)  # the controller's poll: the current one
     assert again.buffer.cfg.trigger_records == 2 and again.due() == {"default": "size"}
 
@@ -183,5 +288,19 @@ def test_a_disk_that_refuses_writes_keeps_records_in_memory(actor_cls, tmp_path,
     b.configure(CFG, PAIR)
     with caplog.at_level(logging.WARNING):
         assert all(b.add("default", _record(i), 999, PAIR) for i in range(4))
+        b.flush()
     assert b.due() == {"default": "size"} and caplog.text.count("could not") == 1  # warned once
-    assert [r.seq for r in b.buffer.shard("default").records] == [-1] * 4
+
+
+def test_writes_past_the_backlog_are_skipped_not_queued_without_bound(tmp_path, monkeypatch, caplog):
+    spill = sp.SpillWriter(RecordSpill(tmp_path))
+    monkeypatch.setattr(sp.SpillWriter, "MAX_BACKLOG", 2)
+    gate = threading.Event()
+    spill._q.put((gate.wait, ()))  # a disk that hangs
+    time.sleep(0.05)  # the writer thread holds the gate; the queue is empty again
+    with caplog.at_level(logging.WARNING):
+        saved = [spill.save(i, "default", _record(i)) for i in range(4)]
+    gate.set()
+    spill.flush()
+    assert saved == [True, True, False, False] and caplog.text.count("queued") == 1
+    assert [s.seq for s in RecordSpill(tmp_path).load("default")] == [0, 1]

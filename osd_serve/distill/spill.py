@@ -3,24 +3,29 @@ back with the records it held instead of empty: they took real traffic to collec
 buffer's byte bound they are up to ``buffer_mb`` of it per expert.
 
 Layout under ``root`` (the application's ``versions_dir/<app>/.replay``; no expert name starts with a dot):
-    pair.json                          ["target", "draft"]: the pair whose token ids and distributions these are
+    .pair.json                         ["target", "draft"]: the pair whose token ids and distributions these are
     <expert>/state.json                {"finished": the newest seq a finished update took, "seen": records offered}
     <expert>/000000000042.safetensors  one record: its tensors, and its wall-clock creation time as metadata
     <expert>/000000000043.g.safetensors  one guard sample (ReplayRecord.heldout); renamed without ".g" once retired
 
 A record is one file, written under a temporary name and renamed into place: a killed process leaves the
 whole record or none. No fsync per record (it would cost each request a disk flush); a file a machine's
-crash left unreadable is skipped and removed when read back. Only safetensors: nothing here is unpickled.
+crash left unreadable is skipped and removed when read back. The writes run on a thread of their own
+(SpillWriter), so the buffer's calls never wait on a disk; a process killed loses the writes still queued,
+the records of its last moments. Only safetensors: nothing here is unpickled.
 Sequence numbers are one counter over all experts, so "records newer than the last finished update" is a
 comparison, and the trigger count a restart needs is read from the files, not saved at every record.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import queue
 import shutil
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +38,7 @@ from .replay import ReplayRecord
 logger = logging.getLogger(__name__)
 _FIELDS = ("prompt_ids", "response_ids", "positions", "probs", "topk_ids", "rest_mass")
 _GUARD, _SUFFIX = ".g", ".safetensors"
+PAIR_FILE = ".pair.json"  # a dot: no expert's directory can be named so
 
 
 @dataclass
@@ -69,7 +75,7 @@ class RecordSpill:
 
     def pair(self) -> list[str] | None:
         try:
-            return json.loads((self.root / "pair.json").read_text())
+            return json.loads((self.root / PAIR_FILE).read_text())
         except (OSError, ValueError):
             return None
 
@@ -81,21 +87,23 @@ class RecordSpill:
                 if d.is_dir():
                     shutil.rmtree(d)
             if pair is not None:
-                _replace_json(self.root / "pair.json", list(pair))
+                _replace_json(self.root / PAIR_FILE, list(pair))
         except OSError as e:
             self._failed("reset its records", e)
 
     def save(self, seq: int, expert: str, rec: ReplayRecord) -> bool:
         path = self._path(expert, seq, rec.heldout)
-        tensors = {k: t.contiguous() for k in _FIELDS if (t := getattr(rec, k)) is not None}
+        tmp = path.with_name(f".{path.name}.tmp")
         try:
+            tensors = {k: t.contiguous() for k in _FIELDS if (t := getattr(rec, k)) is not None}
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.tmp")
             save_file(tensors, str(tmp), metadata={"wall": repr(time.time())})
             os.replace(tmp, path)
             return True
         except Exception as e:  # noqa: BLE001  a full disk, or a record of an unexpected shape: never fail add()
             self._failed("write a record", e)
+            with contextlib.suppress(OSError):  # a full disk's half-written file, else one per record
+                tmp.unlink(missing_ok=True)
             return False
 
     def drop(self, expert: str, seq: int) -> None:
@@ -141,7 +149,8 @@ class RecordSpill:
         its page cache) is removed and logged, not fatal: the rest still come back."""
         out = []
         for tmp in (self.root / expert).glob(".*.tmp"):  # a write the process was killed in
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # a read-only disk: the records still come back
+                tmp.unlink(missing_ok=True)
         for path in sorted((self.root / expert).glob(f"*{_SUFFIX}")):
             stem = path.name[: -len(_SUFFIX)]
             heldout = stem.endswith(_GUARD)
@@ -155,8 +164,15 @@ class RecordSpill:
                 out.append(Spilled(seq, rec, wall))
             except (OSError, ValueError, KeyError, TypeError, SafetensorError) as e:
                 logger.warning("replay buffer: %s is not a readable record (%r); removed", path, e)
-                path.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):
+                    path.unlink(missing_ok=True)
         return sorted(out, key=lambda s: s.seq)
+
+
+def count_new(shard, finished: int) -> None:
+    """The shard's trigger window from its records' seqs: those newer than the last finished update."""
+    new = [r for r in shard.records if r.seq > finished]
+    shard.new_since_update, shard.oldest_new = len(new), min((r.created for r in new), default=None)
 
 
 def restore(spill: RecordSpill, buffer, make_ref) -> tuple[int, int]:
@@ -165,17 +181,70 @@ def restore(spill: RecordSpill, buffer, make_ref) -> tuple[int, int]:
     with ``.seq``). ``created`` is on this process's monotonic clock, from the wall-clock time saved, so the
     age trigger counts from when the record was made, not from the restart. Records newer than the expert's
     last finished update count toward its trigger again, as they did before the restart (and so do those
-    of an update under way then: it died with the buffer). Returns (records kept, the next free seq)."""
+    of an update under way then: it died with the buffer). A record the buffer refuses loses its file.
+    Returns (records kept, the next free seq)."""
     wall, mono, kept, next_seq = time.time(), time.monotonic(), 0, 0
     for expert in spill.experts():
         state, shard = spill.state(expert), buffer.shard(expert)
         for s in spill.load(expert):
             created = mono - max(0.0, wall - s.wall)
-            shard.add(make_ref(s, created), now=created)
+            if not shard.add(make_ref(s, created), now=created):
+                spill.drop(expert, s.seq)
             next_seq = max(next_seq, s.seq + 1)
         next_seq = max(next_seq, state["finished"] + 1)
-        new = [r for r in shard.records if r.seq > state["finished"]]
-        shard.new_since_update, shard.oldest_new = len(new), min((r.created for r in new), default=None)
+        count_new(shard, state["finished"])
         shard.seen = max(shard.seen, state["seen"])
         kept += len(shard.records)
     return kept, next_seq
+
+
+class SpillWriter:
+    """A RecordSpill's writes on a thread of their own, in the order they were asked for: the buffer actor
+    has one thread for add, due and take, which would otherwise wait on the disk at every record (several
+    round trips each on the shared storage versions_dir must be for a cluster). Past MAX_BACKLOG writes
+    queued, new records are not saved (kept in memory only, warned once): the queue holds each record."""
+
+    MAX_BACKLOG = 4096
+
+    def __init__(self, spill: RecordSpill):
+        self.disk = spill
+        self._q: queue.Queue = queue.Queue()
+        self._warned = False
+        threading.Thread(target=self._run, name="osd-replay-spill", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            fn, args = self._q.get()
+            try:
+                fn(*args)
+            except Exception as e:  # noqa: BLE001  the methods log their own OSErrors; this thread must live on
+                logger.warning("replay buffer: %s failed: %r", fn.__name__, e)
+            finally:
+                self._q.task_done()
+
+    def save(self, seq: int, expert: str, rec) -> bool:
+        if self._q.qsize() >= self.MAX_BACKLOG:
+            if not self._warned:
+                logger.warning("replay buffer: %d record writes queued under %s; new records are kept in memory "
+                               "only until it drains (warned once)", self.MAX_BACKLOG, self.disk.root)
+                self._warned = True
+            return False
+        self._q.put((self.disk.save, (seq, expert, rec)))
+        return True
+
+    # queued behind the saves before them, so a record's file is never removed before it is written
+    def drop(self, expert: str, seq: int) -> None:
+        self._q.put((self.disk.drop, (expert, seq)))
+
+    def unguard(self, expert: str, seq: int) -> None:
+        self._q.put((self.disk.unguard, (expert, seq)))
+
+    def finished(self, expert: str, seq: int, seen: int) -> None:
+        self._q.put((self.disk.finished, (expert, seq, seen)))
+
+    def reset(self, pair: list[str] | None) -> None:
+        self._q.put((self.disk.reset, (pair,)))
+
+    def flush(self) -> None:
+        """Wait until every write asked for so far is done (tests; a clean shutdown)."""
+        self._q.join()
