@@ -48,6 +48,7 @@ class _DistillController:
     MAX_EVENTS = 1000
     WAIT_WARN_S = 300.0  # a due expert waiting this long for idle capacity is warned of
     SWEEP_S = 30.0  # what killed jobs left (_free_orphans) is looked for at most this often
+    REPORT_BUFFER_S = 2.0  # within controller_report's REPORT_TIMEOUT_S
 
     def __init__(self, draft_path: str, versions_dir: str, train_cfg: dict, steps: int, max_workers: int = 4,
                  heldout: int = 16, poll_s: float = 1.0, keep_versions: int = 5, buffer_name: str = BUFFER_NAME,
@@ -136,8 +137,14 @@ class _DistillController:
     def report(self, jobs: int = 10) -> dict:
         """What /admin/experts shows of the controller: its state and its last jobs (published or refused,
         with the guard's reason and scores, or the error). Without it, a controller whose every job failed
-        looked the same as an idle one. JSON-safe: a guard's NaN score is null."""
-        return json_safe({"state": self._state(), "serve_load": self.serve_load(), "jobs": list(self.events)[-jobs:]})
+        looked the same as an idle one. JSON-safe: a guard's NaN score is null. With the buffer's records per
+        expert (``new``: toward the next trigger), or why not: a buffer restarting is waited for only so long."""
+        try:
+            buffer = ray.get(self.buffer.stats.remote(), timeout=self.REPORT_BUFFER_S)
+        except Exception as e:  # noqa: BLE001
+            buffer = {"error": f"the replay buffer did not answer ({type(e).__name__})"}
+        return json_safe({"state": self._state(), "serve_load": self.serve_load(), "jobs": list(self.events)[-jobs:],
+                          "buffer": buffer})
 
     def _loop(self, poll_s: float) -> None:
         backoff, rearmed = self.backoff, False

@@ -178,7 +178,8 @@ class _ReplayBufferActor:
             self.spill.flush()
 
     def stats(self) -> dict:
-        return {e: {"records": len(s.records), "bytes": s.nbytes, "seen": s.seen} for e, s in self.buffer.shards.items()}
+        return {e: {"records": len(s.records), "bytes": s.nbytes, "seen": s.seen, "new": s.new_since_update}
+                for e, s in self.buffer.shards.items()}
 
 
 # Not decorated in place: importable by their own names, the classes are pickled by reference. By value

@@ -224,3 +224,20 @@ def test_asking_whether_the_controller_restarted_warns_of_nothing(monkeypatch):
         warnings.simplefilter("always")
         assert dist._restarted() is True
     assert seen == []
+
+
+def test_the_report_shows_the_buffers_records_or_why_not(plain_ray, monkeypatch, tmp_path, draft_dir):
+    """/admin/experts' distill_controller: with ray_train, the buffer's records were seen only from a driver."""
+    ctrl = _cls(dist.DistillController)(draft_dir, str(tmp_path), {"mode": "full"}, 3, poll_s=3600)
+    asked = []
+    monkeypatch.setattr(dist.ray, "get", lambda x, timeout=None: asked.append(timeout) or x)
+    for _ in range(3):
+        plain_ray.add("sql", _rec("sql"), 100)
+    assert ctrl.report()["buffer"] == {"sql": {"records": 3, "bytes": 300, "seen": 3, "new": 3}}
+    assert asked == [ctrl.REPORT_BUFFER_S] and ctrl.REPORT_BUFFER_S < dist.REPORT_TIMEOUT_S  # the admin call's own bound
+
+    def restarting(x, timeout=None):
+        raise TimeoutError
+
+    monkeypatch.setattr(dist.ray, "get", restarting)
+    assert ctrl.report()["buffer"] == {"error": "the replay buffer did not answer (TimeoutError)"}
