@@ -243,10 +243,10 @@ class _DistillController:
             self.buffer.rearm.remote(expert, window)  # retried after the loop's back-off, not a whole trigger later
             raise
         if (finish := getattr(self.buffer, "finish", None)) is not None:  # None: a buffer made by an older osd-serve
-            try:  # its window is used up: a later restart (of either actor) does not put it back
-                finish.remote(expert, window)
-            except TypeError:  # a buffer made before finish took the window
-                finish.remote(expert)
+            # its window is used up: a later restart (of either actor) does not put it back. A window of two
+            # is a buffer's made before finish took it (Ray checks the call against this process's class, so
+            # the older actor's TypeError would come back only to a ray.get, and this is fire and forget)
+            finish.remote(expert, window) if len(window) >= 4 else finish.remote(expert)
         return event
 
     def _job(self, expert: str, why: str, plan: dict, refs: list, flags: list[bool]) -> dict:
@@ -369,10 +369,11 @@ def connect(cfg, app: str | None = None) -> tuple:
     opts = {"namespace": NAMESPACE, "get_if_exists": True, "lifetime": "detached", "max_restarts": -1}
     buffer_cfg = {"max_bytes": d.buffer_mb << 20, "trigger_records": d.trigger_records, "trigger_age_s": d.trigger_age_s}
     pair = pair_of(cfg)
-    # Its calls retried across a restart (max_task_retries): records sent while it restarts reach the new
-    # process, where they were lost (a kill during a burst lost 6 of 80). take, finish and rearm are safe
-    # to repeat; an add whose reply was lost keeps its record twice, the smaller harm.
-    buffer = ReplayBufferActor.options(name=buffer_name, max_task_retries=-1, **opts).remote(
+    # Its calls retried across a restart (3 times at most: not forever a call that kills it each time):
+    # records sent while it restarts reach the new process, where they were lost (a kill during a burst
+    # lost 6 of 80). take, finish and rearm are safe to repeat; an add whose reply was lost keeps its
+    # record twice, the smaller harm.
+    buffer = ReplayBufferActor.options(name=buffer_name, max_task_retries=3, **opts).remote(
         buffer_cfg, str(versions / ".replay"))
     train = {"mode": d.mode, "lr": d.lr, "steps_per_update": d.steps_per_update}
     args = (model_paths(cfg)[1], str(versions), train, d.steps_per_update, d.max_train_workers)

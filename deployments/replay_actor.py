@@ -36,8 +36,6 @@ class _ReplayBufferActor:
     """pair: [target, draft] of the application's config. Records hold the pair's token ids and target
     distributions, which would train another pair's draft to fit a model it does not serve with."""
 
-    UNBOUNDED = 1 << 62  # the bound of a buffer read back, until configure() brings the current one
-
     def __init__(self, cfg: dict, spill_dir: str | None = None):
         # Records are also files (spill.py): a restart (max_restarts) re-runs this and reads them back, with
         # the pair they belong to, instead of starting empty. None: in memory only (an older connect).
@@ -57,6 +55,7 @@ class _ReplayBufferActor:
         # here, is of records restore() counted already
         self.incarnation = uuid.uuid4().hex
         self.restored = False  # records read back: seqs go on from the former process's
+        self.first_seq = 0  # the first this process numbered: lower ones are its former process's
         if self.spill:
             self._restore(cfg)
 
@@ -66,16 +65,21 @@ class _ReplayBufferActor:
             self.pair = self.spilled_pair = disk.pair()
             if self.pair is None:
                 return
-            # Unbounded until configure(): this is the creation's cfg, and a redeploy may have raised buffer_mb
-            # since; evicting here would delete the files of records the current bound keeps
-            self.buffer = self._new_buffer({**cfg, "max_bytes": self.UNBOUNDED})
+            # All of them until configure() brings the current bound: this is the creation's cfg, and a redeploy
+            # may have raised buffer_mb since; evicting here would delete the files of records the current one keeps
+            self.buffer = self._new_buffer({**cfg, "max_bytes": 1 << 62})
             kept, self.seq = restore(disk, self.buffer, lambda s, created: RecordRef(
                 [ray.put(s.record)], s.record.nbytes, s.record.expert, s.record.heldout, created, s.seq))
+            held = max((sh.nbytes for sh in self.buffer.shards.values()), default=0)
+            self.buffer.reconfigure(BufferConfig(**{**cfg, "max_bytes": max(cfg["max_bytes"], held)}))
             self.restored = True
             logger.warning("replay buffer: %d records read back from %s", kept, disk.root)
-        except Exception as e:  # noqa: BLE001  a restart that raises is not retried: start empty rather than not at all
-            logger.warning("replay buffer: reading records back from %s failed (%r); starting empty", disk.root, e)
-            self.buffer, self.pair, self.spilled_pair, self.seq = self._new_buffer(cfg), None, None, 0
+        except Exception as e:  # noqa: BLE001  a restart that raises is not retried: start rather than not at all
+            # In memory only, the files left as they are: a passing error must not have them reset or overwritten
+            logger.warning("replay buffer: reading records back from %s failed (%r); starting empty, and writing "
+                           "no records there until the next restart", disk.root, e)
+            self.buffer, self.pair, self.spilled_pair, self.seq, self.spill = self._new_buffer(cfg), None, None, 0, None
+        self.first_seq = self.seq
 
     def _new_buffer(self, cfg: dict) -> ReplayBuffer:
         drop = (lambda r: self.spill.drop(r.expert, r.seq)) if self.spill else None
@@ -142,8 +146,10 @@ class _ReplayBufferActor:
         if self._mine(window):
             self.taken.pop(expert, None)
             mark = self.marks.pop(expert, None)
-        elif self.restored:  # else this process started empty: what that job took is gone, and the numbering anew
-            mark = window[3]
+        elif self.restored and expert not in self.taken:  # else started empty: what that job took is gone
+            # Its mark can exceed what was written before the kill (writes still queued then): this process
+            # numbered its own from there, and no job took those. A job of this process's covers the rest.
+            mark = min(window[3], self.first_seq - 1)
             count_new(shard, mark)
         if mark is not None and self.spill:
             self.spill.finished(expert, mark, shard.seen)

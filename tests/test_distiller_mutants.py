@@ -307,7 +307,7 @@ def test_connect_gives_the_actors_the_config(monkeypatch):
     names = dist.actor_names("llama")
     pair = ["org/target", "org/draft"]
     extra = {"keep_versions": 2, "buffer_cfg": buffer_cfg, "pair": pair}  # the buffer's: a restarted one gets them
-    assert made == [("buffer", {"name": names[0], "max_task_retries": -1, **opts}, (buffer_cfg, "/vs/llama/.replay"), {}),
+    assert made == [("buffer", {"name": names[0], "max_task_retries": 3, **opts}, (buffer_cfg, "/vs/llama/.replay"), {}),
                     ("controller", {"name": names[1], **opts}, args, {"buffer_name": names[0], **extra})]
     # the time limit as its own keyword: an older (detached) controller refuses it rather than failing every job
     assert configured == [("buffer", (buffer_cfg, pair), {}), ("controller", args, {"train_time_limit_s": 45.0, **extra})]

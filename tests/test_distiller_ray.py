@@ -242,7 +242,7 @@ def test_a_killed_buffer_comes_back_with_its_records(cluster, data, tmp_path):
     their files back and puts them again, so a job's ray.get of the refs it takes gets the same records."""
     _, _, train, held, _ = data
     cfg, pair, kept = {"max_bytes": 1 << 30, "trigger_records": 100, "trigger_age_s": 3600}, ["t", "d"], train[:5] + held[:2]
-    buf = ReplayBufferActor.options(max_restarts=-1, max_task_retries=-1).remote(cfg, str(tmp_path / ".replay"))  # connect()'s
+    buf = ReplayBufferActor.options(max_restarts=-1, max_task_retries=3).remote(cfg, str(tmp_path / ".replay"))  # connect()'s
     try:
         ray.get(buf.configure.remote(cfg, pair))
         for r in kept[:5]:

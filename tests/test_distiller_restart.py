@@ -241,3 +241,20 @@ def test_the_report_shows_the_buffers_records_or_why_not(plain_ray, monkeypatch,
 
     monkeypatch.setattr(dist.ray, "get", restarting)
     assert ctrl.report()["buffer"] == {"error": "the replay buffer did not answer (TimeoutError)"}
+
+
+def test_finish_is_called_as_the_buffer_that_took_the_window_takes_it(plain_ray, monkeypatch, tmp_path, draft_dir):
+    """Ray checks a call against the class in the caller's process, pickled by reference: the new one. An
+    older buffer's TypeError would come back only to a ray.get, and finish is fire and forget: its window
+    stayed taken, and a restart trained the records again. Its take's window has two items."""
+    ctrl = _cls(dist.DistillController)(draft_dir, str(tmp_path), {"mode": "full"}, 3, poll_s=3600)
+    for _ in range(4):
+        plain_ray.add("default", _rec(), 100)
+    calls = []
+    older = lambda expert: (lambda r: (r[0], r[1], r[2][:2]))(plain_ray.take(expert))  # noqa: E731
+    for take in (older, plain_ray.take):
+        ctrl.buffer = types.SimpleNamespace(take=types.SimpleNamespace(remote=take),
+                                            finish=types.SimpleNamespace(remote=lambda *a: calls.append(a)))
+        ctrl._job = lambda expert, *rest: {"expert": expert, "published": True}
+        ctrl._update("default", "size", {"num_workers": 1})
+    assert calls[0] == ("default",) and calls[1][0] == "default" and len(calls[1][1]) == 4

@@ -283,24 +283,93 @@ def test_a_restart_gets_the_current_config_though_it_knows_its_pair(actor_cls, t
 
 
 def test_a_disk_that_refuses_writes_keeps_records_in_memory(actor_cls, tmp_path, caplog):
-    (tmp_path / "file").write_text("not a directory")
-    b = actor_cls(CFG, str(tmp_path / "file" / "replay"))
-    b.configure(CFG, PAIR)
+    b = _started(actor_cls, tmp_path)
+    (tmp_path / "default").write_text("not a directory")  # where the expert's records go
     with caplog.at_level(logging.WARNING):
         assert all(b.add("default", _record(i), 999, PAIR) for i in range(4))
         b.flush()
     assert b.due() == {"default": "size"} and caplog.text.count("could not") == 1  # warned once
 
 
-def test_writes_past_the_backlog_are_skipped_not_queued_without_bound(tmp_path, monkeypatch, caplog):
-    spill = sp.SpillWriter(RecordSpill(tmp_path))
-    monkeypatch.setattr(sp.SpillWriter, "MAX_BACKLOG", 2)
+def _stalled(writer):
+    """The writer thread held by a disk that hangs until the returned event is set; its queue empty again."""
     gate = threading.Event()
-    spill._q.put((gate.wait, ()))  # a disk that hangs
-    time.sleep(0.05)  # the writer thread holds the gate; the queue is empty again
+    writer._q.put((gate.wait, ()))
+    while writer._q.qsize():
+        time.sleep(0.01)
+    return gate
+
+
+def test_the_write_backlog_is_bounded_in_bytes_and_skips_records_dropped_meanwhile(tmp_path, monkeypatch, caplog):
+    """A full-distribution record is MBs (a guard sample: every position x the vocabulary): a bound in records
+    let a slow shared disk queue tens of GB in the buffer's memory, and OOM-kill it."""
+    writer = sp.SpillWriter(RecordSpill(tmp_path))
+    size = _record(0).nbytes
+    monkeypatch.setattr(sp.SpillWriter, "MAX_BACKLOG_BYTES", 3 * size)
+    gate = _stalled(writer)
     with caplog.at_level(logging.WARNING):
-        saved = [spill.save(i, "default", _record(i)) for i in range(4)]
+        saved = [writer.save(i, "default", _record(i)) for i in range(5)]
+    writer.drop("default", 1)  # evicted while its save waits: never written
     gate.set()
-    spill.flush()
-    assert saved == [True, True, False, False] and caplog.text.count("queued") == 1
-    assert [s.seq for s in RecordSpill(tmp_path).load("default")] == [0, 1]
+    writer.flush()
+    assert saved == [True, True, True, False, False] and caplog.text.count("queued") == 1
+    assert [s.seq for s in RecordSpill(tmp_path).load("default")] == [0, 2] and writer._queued == 0
+    assert writer.save(5, "default", _record(5))  # drained: saved again
+
+
+def test_a_finish_from_before_a_restart_marks_no_record_the_job_did_not_take(actor_cls, tmp_path):
+    """The killed process's newest writes were still queued: the restarted one numbered its own records from
+    below the old job's mark, and that job's finish counted them as trained, also on disk."""
+    b = _started(actor_cls, tmp_path)
+    for i in range(4):
+        b.add("default", _record(i), 999, PAIR)
+    gate = _stalled(b.spill)
+    for i in range(4, 6):
+        b.add("default", _record(i), 999, PAIR)  # queued behind the hung write...
+    _, _, window = b.take("default")  # mark 5
+    b.spill._q.queue.clear()  # ...when the process is killed: lost
+    gate.set()
+    again = actor_cls(CFG, str(tmp_path))
+    again.due(CFG, PAIR)
+    for i in range(6, 8):
+        again.add("default", _record(i), 999, PAIR)  # numbered 4 and 5; no job took them
+    again.finish("default", window)
+    assert again.buffer.shard("default").new_since_update == 2
+    assert _restarted(actor_cls, again, tmp_path).buffer.shard("default").new_since_update == 2
+
+
+def test_a_disk_error_at_a_restart_leaves_the_files_alone(actor_cls, tmp_path, monkeypatch):
+    """A passing error reading the pair file (a shared disk) read as "no pair", and the next configure()
+    removed every record's file."""
+    b = _started(actor_cls, tmp_path)
+    for i in range(3):
+        b.add("default", _record(i), 999, PAIR)
+    b.flush()
+    read = type(tmp_path).read_text
+
+    def eio(self, *args, **kw):
+        if self.name == sp.PAIR_FILE:
+            raise OSError(5, "Input/output error")
+        return read(self, *args, **kw)
+
+    monkeypatch.setattr(type(tmp_path), "read_text", eio)
+    again = actor_cls(CFG, str(tmp_path))
+    monkeypatch.undo()
+    again.configure(CFG, PAIR)
+    assert again.add("default", _record(3), 999, PAIR) and again.spill is None  # in memory only, this process
+    assert sorted(p.name for p in (tmp_path / "default").glob("*.safetensors")) == [f"{i:012d}.safetensors"
+                                                                                   for i in range(3)]
+    assert _restarted(actor_cls, b, tmp_path).stats()["default"]["records"] == 3  # the next restart has them
+
+
+def test_a_restart_no_configure_reaches_stays_bounded(actor_cls, tmp_path):
+    """A controller made by an older connect() polls with no settings: the buffer read back is bounded by
+    what it read back, or its creation's bound if larger, not by nothing."""
+    size = _record(0).nbytes
+    b = _started(actor_cls, tmp_path, {**CFG, "max_bytes": 3 * size})
+    for i in range(3):
+        b.add("default", _record(i), size, PAIR)
+    again = _restarted(actor_cls, b, tmp_path, {**CFG, "max_bytes": 2 * size})
+    assert again.buffer.cfg.max_bytes == 3 * size and again.stats()["default"]["records"] == 3
+    again.add("default", _record(3), size, PAIR)
+    assert [r.seq for r in again.buffer.shard("default").records] == [1, 2, 3]

@@ -74,9 +74,11 @@ class RecordSpill:
             self._warned = True
 
     def pair(self) -> list[str] | None:
+        """None only when there is no pair file (nothing saved yet, or a reset under way); any other error
+        raises: read as "no pair", a passing one on a shared disk had every record removed at configure()."""
         try:
             return json.loads((self.root / PAIR_FILE).read_text())
-        except (OSError, ValueError):
+        except FileNotFoundError:
             return None
 
     def reset(self, pair: list[str] | None) -> None:
@@ -145,8 +147,8 @@ class RecordSpill:
             return []
 
     def load(self, expert: str) -> list[Spilled]:
-        """The expert's records, oldest first. An unreadable file (a crash mid-write on a machine that lost
-        its page cache) is removed and logged, not fatal: the rest still come back."""
+        """The expert's records, oldest first. A file of no record (a crash mid-write on a machine that lost
+        its page cache) is removed and logged, not fatal: the rest still come back. A disk error raises."""
         out = []
         for tmp in (self.root / expert).glob(".*.tmp"):  # a write the process was killed in
             with contextlib.suppress(OSError):  # a read-only disk: the records still come back
@@ -162,7 +164,7 @@ class RecordSpill:
                 rec = ReplayRecord(*(t[k] for k in _FIELDS[:4]), t.get("topk_ids"), t.get("rest_mass"), expert,
                                    heldout=heldout)
                 out.append(Spilled(seq, rec, wall))
-            except (OSError, ValueError, KeyError, TypeError, SafetensorError) as e:
+            except (ValueError, KeyError, TypeError, SafetensorError) as e:  # not an OSError: that may pass
                 logger.warning("replay buffer: %s is not a readable record (%r); removed", path, e)
                 with contextlib.suppress(OSError):
                     path.unlink(missing_ok=True)
@@ -201,14 +203,18 @@ def restore(spill: RecordSpill, buffer, make_ref) -> tuple[int, int]:
 class SpillWriter:
     """A RecordSpill's writes on a thread of their own, in the order they were asked for: the buffer actor
     has one thread for add, due and take, which would otherwise wait on the disk at every record (several
-    round trips each on the shared storage versions_dir must be for a cluster). Past MAX_BACKLOG writes
-    queued, new records are not saved (kept in memory only, warned once): the queue holds each record."""
+    round trips each on the shared storage versions_dir must be for a cluster). The queue holds each record
+    until it is written: past MAX_BACKLOG_BYTES of them, new records are not saved (kept in memory only,
+    warned once), and a record dropped while queued is not written at all."""
 
-    MAX_BACKLOG = 4096
+    MAX_BACKLOG_BYTES = 256 << 20
 
     def __init__(self, spill: RecordSpill):
         self.disk = spill
         self._q: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._queued = 0  # bytes of the records queued
+        self._dropped: set[tuple[str, int]] = set()  # (expert, seq) dropped while its save was queued
         self._warned = False
         threading.Thread(target=self._run, name="osd-replay-spill", daemon=True).start()
 
@@ -218,23 +224,38 @@ class SpillWriter:
             try:
                 fn(*args)
             except Exception as e:  # noqa: BLE001  the methods log their own OSErrors; this thread must live on
-                logger.warning("replay buffer: %s failed: %r", fn.__name__, e)
+                logger.warning("replay buffer: %s failed: %r", getattr(fn, "__name__", fn), e)
             finally:
                 self._q.task_done()
 
     def save(self, seq: int, expert: str, rec) -> bool:
-        if self._q.qsize() >= self.MAX_BACKLOG:
-            if not self._warned:
-                logger.warning("replay buffer: %d record writes queued under %s; new records are kept in memory "
-                               "only until it drains (warned once)", self.MAX_BACKLOG, self.disk.root)
-                self._warned = True
-            return False
-        self._q.put((self.disk.save, (seq, expert, rec)))
+        with self._lock:
+            if self._queued + rec.nbytes > self.MAX_BACKLOG_BYTES:
+                if not self._warned:
+                    logger.warning("replay buffer: %d MiB of records queued for %s; new ones are kept in memory "
+                                   "only until it drains (warned once)", self._queued >> 20, self.disk.root)
+                    self._warned = True
+                return False
+            self._queued += rec.nbytes
+        self._q.put((self._save, (seq, expert, rec)))
         return True
+
+    def _save(self, seq: int, expert: str, rec) -> None:
+        try:
+            if (expert, seq) not in self._dropped:
+                self.disk.save(seq, expert, rec)
+        finally:
+            with self._lock:
+                self._queued -= rec.nbytes
 
     # queued behind the saves before them, so a record's file is never removed before it is written
     def drop(self, expert: str, seq: int) -> None:
-        self._q.put((self.disk.drop, (expert, seq)))
+        self._dropped.add((expert, seq))
+        self._q.put((self._drop, (expert, seq)))
+
+    def _drop(self, expert: str, seq: int) -> None:
+        self._dropped.discard((expert, seq))
+        self.disk.drop(expert, seq)
 
     def unguard(self, expert: str, seq: int) -> None:
         self._q.put((self.disk.unguard, (expert, seq)))
