@@ -92,12 +92,15 @@ class _Ref:  # what ray.put returns here: hashable, as an ObjectRef is
 
 
 @pytest.fixture
-def actor_cls(monkeypatch):
+def actor_cls(monkeypatch):  # a test that undid this would have restore() start a Ray cluster
+    ray = pytest.importorskip("ray")
     pytest.importorskip("ray.serve")
     import deployments.replay_actor as ra
 
     monkeypatch.setattr(ra, "ray", SimpleNamespace(put=_Ref))
-    return ra.ReplayBufferActor.__ray_metadata__.modified_class.__ray_actor_class__
+    started = ray.is_initialized()
+    yield ra.ReplayBufferActor.__ray_metadata__.modified_class.__ray_actor_class__
+    assert ray.is_initialized() == started, "the test reached the real ray (a Ray cluster it started)"
 
 
 def _started(cls, root, cfg=CFG):
@@ -248,9 +251,9 @@ def test_the_pair_file_is_read_once_and_names_no_expert(actor_cls, tmp_path, mon
     for i in range(3):
         b.add("default", _record(i), 999, PAIR)
     b.add("pair.json", _record(3, "pair.json"), 999, PAIR)  # a valid expert name
-    monkeypatch.setattr(RecordSpill, "pair", lambda self: None)  # the shared disk failing a read
-    b.configure(CFG, PAIR)  # a replica starting: connect() configures the same pair again
-    monkeypatch.undo()
+    with monkeypatch.context() as m:  # not undo(): that would give the actor module its real ray back
+        m.setattr(RecordSpill, "pair", lambda self: None)  # the shared disk failing a read
+        b.configure(CFG, PAIR)  # a replica starting: connect() configures the same pair again
     assert len(_files(b, tmp_path)) == 3 and _files(b, tmp_path, "pair.json") == ["000000000003.safetensors"]
 
 
@@ -352,9 +355,9 @@ def test_a_disk_error_at_a_restart_leaves_the_files_alone(actor_cls, tmp_path, m
             raise OSError(5, "Input/output error")
         return read(self, *args, **kw)
 
-    monkeypatch.setattr(type(tmp_path), "read_text", eio)
-    again = actor_cls(CFG, str(tmp_path))
-    monkeypatch.undo()
+    with monkeypatch.context() as m:
+        m.setattr(type(tmp_path), "read_text", eio)
+        again = actor_cls(CFG, str(tmp_path))
     again.configure(CFG, PAIR)
     assert again.add("default", _record(3), 999, PAIR) and again.spill is None  # in memory only, this process
     assert sorted(p.name for p in (tmp_path / "default").glob("*.safetensors")) == [f"{i:012d}.safetensors"
