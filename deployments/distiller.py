@@ -164,6 +164,7 @@ class _DistillController:
             for expert, why in due.items():
                 if not backoff.ready(expert):
                     continue  # its job failed lately; its trigger stays due (rearm)
+                t0, plan = time.time(), None
                 try:
                     # In the try: idle_per_node reads Ray's control store; one failed read ended this thread for good
                     plan = plan_workers(idle_per_node(), self.serve_load(), self.settings["max_workers"])
@@ -175,7 +176,9 @@ class _DistillController:
                     self.events.append(self._update(expert, why, plan))
                     backoff.succeeded(expert)
                 except Exception as e:  # noqa: BLE001  the controller outlives one failed job
-                    self.events.append({"expert": expert, "error": repr(e), "time": time.time()})
+                    # time: when it started, as a finished job's (a failed one was stamped when it failed)
+                    self.events.append({"expert": expert, "trigger": why, "plan": plan, "error": repr(e), "time": t0,
+                                        "seconds": time.time() - t0})
                     logger.warning("distill controller: %s: %r (retried in %.0f s)", expert, e, backoff.failed(expert))
                 finally:
                     self.state = "idle"

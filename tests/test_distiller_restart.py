@@ -258,3 +258,23 @@ def test_finish_is_called_as_the_buffer_that_took_the_window_takes_it(plain_ray,
         ctrl._job = lambda expert, *rest: {"expert": expert, "published": True}
         ctrl._update("default", "size", {"num_workers": 1})
     assert calls[0] == ("default",) and calls[1][0] == "default" and len(calls[1][1]) == 4
+
+
+def test_a_failed_jobs_entry_says_when_it_started_and_what_it_was(plain_ray, monkeypatch, tmp_path, draft_dir):
+    """The README says each job's `time` is when it started: a failed one was stamped when it failed (18 s later
+    in the operator check, a job whose records' owner died), and had no trigger or plan beside the error."""
+    ctrl = _cls(dist.DistillController)(draft_dir, str(tmp_path), {"mode": "full"}, 3, poll_s=3600)
+    monkeypatch.setattr(dist, "idle_per_node", lambda: [{"CPU": 2.0}])
+    for _ in range(4):
+        plain_ray.add("default", _rec(), 100)
+    clock = iter([100.0, 118.0])
+    monkeypatch.setattr(dist.time, "time", lambda: next(clock, 118.0))
+
+    def fails(*args):
+        raise RuntimeError("The object's owner has exited")
+
+    ctrl._job, ctrl._stop = fails, _polls(1)
+    ctrl._loop(0)
+    [entry] = ctrl.history()
+    assert entry["time"] == 100.0 and entry["seconds"] == 18.0 and entry["trigger"] == "size"
+    assert entry["plan"] == dist.plan_workers([{"CPU": 2.0}], 0.0, 4) and "owner has exited" in entry["error"]
