@@ -374,7 +374,7 @@ def connect(cfg, app: str | None = None) -> tuple:
     pair = pair_of(cfg)
     # Its calls retried across a restart (3 times at most: not forever a call that kills it each time):
     # records sent while it restarts reach the new process, where they were lost (a kill during a burst
-    # lost 6 of 80). take, finish and rearm are safe to repeat; an add whose reply was lost keeps its
+    # lost about 5 of 80). take, finish and rearm are safe to repeat; an add whose reply was lost keeps its
     # record twice, the smaller harm.
     buffer = ReplayBufferActor.options(name=buffer_name, max_task_retries=3, **opts).remote(
         buffer_cfg, str(versions / ".replay"))
