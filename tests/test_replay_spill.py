@@ -53,6 +53,17 @@ def test_a_record_reads_back_as_it_was_saved(tmp_path):
     assert spill.load("sql") == [] and spill.experts() == ["default", "sql"]
 
 
+def test_a_failed_write_leaves_no_temporary_file(tmp_path, monkeypatch):
+    """A full disk: each record's half-written temporary file stayed, one more per record, until a restart."""
+    def full(tensors, path, metadata=None):
+        open(path, "wb").write(b"half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(sp, "save_file", full)
+    spill = RecordSpill(tmp_path)
+    assert not spill.save(0, "default", _record(0)) and list((tmp_path / "default").iterdir()) == []
+
+
 def test_a_torn_file_is_removed_and_the_rest_read_back(tmp_path, caplog):
     spill = RecordSpill(tmp_path)
     for seq in range(3):
