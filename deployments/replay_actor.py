@@ -29,7 +29,7 @@ class RecordRef:
     expert: str
     heldout: bool = False  # a guard sample (ReplayRecord.heldout)
     created: float = field(default_factory=time.monotonic)
-    seq: int = -1  # its file's number (spill.py), -1 when it has none
+    seq: int = -1  # its number, set as it is kept: its file's name (spill.py), if the file was written
 
 
 class _ReplayBufferActor:
@@ -78,7 +78,8 @@ class _ReplayBufferActor:
             # In memory only, the files left as they are: a passing error must not have them reset or overwritten
             logger.warning("replay buffer: reading records back from %s failed (%r); starting empty, and writing "
                            "no records there until the next restart", disk.root, e)
-            self.buffer, self.pair, self.spilled_pair, self.seq, self.spill = self._new_buffer(cfg), None, None, 0, None
+            self.spill = None  # first: the new buffer's eviction hook reads it
+            self.buffer, self.pair, self.spilled_pair, self.seq = self._new_buffer(cfg), None, None, 0
         self.first_seq = self.seq
 
     def _new_buffer(self, cfg: dict) -> ReplayBuffer:

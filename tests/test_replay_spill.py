@@ -283,8 +283,11 @@ def test_a_restart_comes_up_whatever_the_disk_does(actor_cls, tmp_path, monkeypa
     module, said = sys.modules[actor_cls.__module__], []
     monkeypatch.setattr(module, "restore", lambda *a: 1 / 0)
     monkeypatch.setattr(module.logger, "warning", lambda msg, *args: said.append(msg % args))  # ray.serve's: no caplog
-    again = actor_cls(CFG, str(tmp_path))
+    size = _record(0).nbytes
+    again = actor_cls({**CFG, "max_bytes": size}, str(tmp_path))
     assert again.stats() == {} and again.pair is None and "failed (ZeroDivisionError" in said[-1]
+    again.configure({**CFG, "max_bytes": size}, PAIR)
+    assert all(again.add("default", _record(i), size, PAIR) for i in range(3))  # evicting: no hook left to fail
 
 
 def test_a_restart_gets_the_current_config_though_it_knows_its_pair(actor_cls, tmp_path):
