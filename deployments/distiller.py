@@ -26,7 +26,7 @@ from pathlib import Path
 
 import ray
 
-from osd_serve.distill.joblog import JobLog, json_safe
+from osd_serve.distill.joblog import JobLog, json_safe, replace_json
 from osd_serve.distill.replay import Backoff, BufferConfig
 
 from .replay_actor import RecordRef, ReplayBufferActor, _ReplayBufferActor  # noqa: F401  pickled by reference by name here
@@ -96,11 +96,8 @@ class _DistillController:
 
     def _save_settings(self) -> None:
         try:  # what a restart (max_restarts) reads back, as __init__ then gets its creation's arguments
-            path = self._settings_path
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{SETTINGS_FILE}.{os.getpid()}")
-            tmp.write_text(json.dumps(self._plain_settings()))
-            os.replace(tmp, path)
+            self._settings_path.parent.mkdir(parents=True, exist_ok=True)
+            replace_json(self._settings_path, self._plain_settings())
         except OSError as e:
             logger.warning("distill controller: its settings could not be saved for a restart (%s)", e)
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 import deployments.distiller as dist
 from osd_serve.distill.joblog import JobLog
 from tests.test_distiller_mutants import _controller, _fill, _polls, draft_dir, plain_ray  # noqa: F401  fixtures
@@ -53,3 +55,16 @@ def test_a_restarted_controller_shows_the_jobs_before_and_says_it_restarted(plai
     assert "restarted" in again.history()[-1] and again.report()["jobs"][-1] == again.history()[-1]
     monkeypatch.setattr(dist, "_restarted", lambda: False)
     assert len(_controller(plain_ray, monkeypatch, tmp_path, draft_dir)[0].history()) == len(before) + 1  # a new actor adds none
+
+
+def test_replace_json_leaves_the_old_file_or_the_new_one_and_no_temporary(tmp_path):
+    from osd_serve.distill.joblog import replace_json
+
+    path = tmp_path / "state.json"
+    replace_json(path, {"finished": 3})
+    replace_json(path, {"finished": 4})
+    assert json.loads(path.read_text()) == {"finished": 4}
+    (tmp_path / "a dir").mkdir()
+    with pytest.raises(OSError):
+        replace_json(tmp_path / "a dir", {"x": 1})  # the rename fails: its temporary file must not stay
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a dir", "state.json"]

@@ -103,3 +103,16 @@ def json_safe(obj):
     if isinstance(obj, (list, tuple)):
         return [json_safe(v) for v in obj]
     return obj
+
+
+def replace_json(path: Path, obj) -> None:
+    """``obj`` as JSON at ``path``, written beside it and renamed over it: a crash leaves the old file or the
+    new one, never half of either. The temporary file is removed if writing fails (a full disk: not one
+    more file per try). Raises OSError; callers decide whether that is worth more than a warning."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(obj))
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -33,6 +33,7 @@ from pathlib import Path
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from .joblog import replace_json
 from .replay import ReplayRecord
 
 logger = logging.getLogger(__name__)
@@ -48,12 +49,6 @@ class Spilled:
     seq: int
     record: ReplayRecord
     wall: float
-
-
-def _replace_json(path: Path, obj) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(json.dumps(obj))
-    os.replace(tmp, path)
 
 
 class RecordSpill:
@@ -89,7 +84,7 @@ class RecordSpill:
                 if d.is_dir():
                     shutil.rmtree(d)
             if pair is not None:
-                _replace_json(self.root / PAIR_FILE, list(pair))
+                replace_json(self.root / PAIR_FILE, list(pair))
         except OSError as e:
             self._failed("reset its records", e)
 
@@ -129,7 +124,7 @@ class RecordSpill:
         """An update that took the records up to ``seq`` finished: they no longer count toward the trigger."""
         try:
             (self.root / expert).mkdir(parents=True, exist_ok=True)
-            _replace_json(self.root / expert / "state.json", {"finished": seq, "seen": seen})
+            replace_json(self.root / expert / "state.json", {"finished": seq, "seen": seen})
         except OSError as e:
             self._failed("save the trigger state", e)
 
