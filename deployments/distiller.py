@@ -28,6 +28,7 @@ import ray
 
 from osd_serve.distill.joblog import JobLog, json_safe, replace_json
 from osd_serve.distill.replay import Backoff, BufferConfig
+from osd_serve.distill.spill import pair_of  # noqa: F401  the replicas' API (app.py)
 
 from .replay_actor import RecordRef, ReplayBufferActor, _ReplayBufferActor  # noqa: F401  pickled by reference by name here
 
@@ -393,13 +394,6 @@ def connect(cfg, app: str | None = None) -> tuple:
                        "the next replica start; `ray kill` it (namespace %s) to replace it", controller_name, NAMESPACE)
         ray.get(controller.configure.remote(*args, keep_versions=d.keep_versions))
     return buffer, controller
-
-
-def pair_of(cfg) -> list[str]:
-    """[target, draft] of an AppConfig as configured, as the buffer tells one pair's records from another's.
-    Not the resolved paths: the embedded default pair's differ from node to node (each builds its own
-    under its HOME), and replicas of one pair would wipe each other's records."""
-    return [cfg.target or "embedded default", cfg.draft or "embedded default"]
 
 
 def send_record(buffer, record, pair: list[str] | None = None) -> None:

@@ -16,6 +16,7 @@ from .distill.guard import GuardConfig
 from .distill.online import OnlineDistiller
 from .distill.recorder import RecordConfig, Recorder
 from .distill.replay import BufferConfig, ReplayBuffer
+from .distill.spill import ReplicaSpill, pair_of
 from .distill.trainer import DistillTrainer, TrainConfig
 from .distill.versions import VersionStore, VersionWatcher, claim_slot
 from .output import finish_counts
@@ -77,6 +78,7 @@ class SpecService:
         versions_dir/<replica_tag>. versions_dir: instead of cfg's (a Serve application's own, deployments.config.versions_root)."""
         self.cfg, self.replica_tag = cfg, replica_tag
         self._slot = None  # the open lock file holding this replica's slot
+        self.spill: ReplicaSpill | None = None  # the local backend's record files, in that slot
         self.versions_dir = versions_dir or Path(os.path.expanduser(cfg.distill.versions_dir))
         self.target, base, self.tokenizer = models or load_models(cfg)
         drafts = {e.name: expert_draft(base, e.adapter, e.name) for e in cfg.experts}
@@ -101,17 +103,20 @@ class SpecService:
         if d.enabled and record_sink is not None:
             self._watch_versions(self.versions_dir, record_sink, RecordConfig(keep=d.keep, topk=d.record_topk))
         elif d.enabled:
-            root = self.versions_dir / replica_tag
-            if private_versions:
+            root, files = self.versions_dir / replica_tag, None
+            if private_versions:  # the slot's lock makes its files this replica's alone, records as versions
                 root, self._slot = claim_slot(root.parent / "replicas")
+                self.spill = files = ReplicaSpill(root / ".replay", pair_of(cfg))
             for name, eng in self.server.engines.items():
                 train = TrainConfig(mode=d.mode, lr=d.lr, steps_per_update=d.steps_per_update,
                                     time_limit_s=d.train_time_limit_s)
                 trainer = DistillTrainer(eng.draft, train, vocab=eng.vocab)
                 buf = ReplayBuffer(BufferConfig(max_bytes=d.buffer_mb << 20, trigger_records=d.trigger_records,
-                                                trigger_age_s=d.trigger_age_s))
+                                                trigger_age_s=d.trigger_age_s), on_drop=files and files.dropped)
+                if files is not None:
+                    files.restore(name, buf)
                 dist = OnlineDistiller(eng, trainer, buf, VersionStore(root / name, d.keep_versions), GuardConfig(),
-                                       RecordConfig(keep=d.keep, topk=d.record_topk))
+                                       RecordConfig(keep=d.keep, topk=d.record_topk), files=files)
                 dist.on_update = self._update_hook(name)
                 dist.start()
                 self.distillers[name] = dist
@@ -214,6 +219,9 @@ class SpecService:
             d.stop()
         if self.server is not None:
             self.server.close()
+        if self.spill is not None:  # its queued writes land (for up to 10 s), and none after the slot is let go
+            self.spill.close()
+            self.spill = None
         self.telemetry.close()
         if self._slot is not None:  # the versions stay for the replica that takes the slot next
             self._slot.close()

@@ -44,8 +44,11 @@ class OnlineDistiller:
     MAX_UPDATES_KEPT = 1000
 
     def __init__(self, engine, trainer: DistillTrainer, buffer: ReplayBuffer, store: VersionStore,
-                 guard: GuardConfig | None = None, record: RecordConfig | None = None, on_trace=None):
+                 guard: GuardConfig | None = None, record: RecordConfig | None = None, on_trace=None, files=None):
+        """files: a spill.ReplicaSpill the buffer's records are also written to (its on_drop removes them), so
+        that a replica restarted on the same slot resumes with them."""
         self.engine, self.trainer, self.buffer, self.store = engine, trainer, buffer, store
+        self.files = files
         self.guard = guard or GuardConfig()
         self.on_trace = on_trace  # called with each finished request's RequestTrace
         self.on_update = None  # called with each UpdateResult (telemetry)
@@ -88,7 +91,8 @@ class OnlineDistiller:
     def _on_finish(self, record, trace) -> None:
         if record is not None:
             with self._lock:
-                self.buffer.add(record)
+                if self.buffer.add(record) and self.files is not None:
+                    self.files.kept(record)
             self._wake.set()
         if self.on_trace is not None:
             self.on_trace(trace)
@@ -107,13 +111,18 @@ class OnlineDistiller:
             with self._lock:
                 shard = self.buffer.shard(expert)
                 records, window = list(shard.records), shard.mark_updated()
+                mark = self.files.mark() if self.files is not None else None
             try:
-                return self._update(expert, trigger, records)
+                res = self._update(expert, trigger, records)
             except Exception as e:
                 with self._lock:
                     shard.rearm(window)
                 self._failed(expert, trigger, e)
                 raise
+            if self.files is not None:  # so also after a restart: a window closed here is not counted again
+                with self._lock:
+                    self.files.finished(expert, mark, shard.seen)
+            return res
 
     def _update(self, expert: str, trigger: str, records: list) -> UpdateResult | None:
         t0 = time.perf_counter()
@@ -147,6 +156,8 @@ class OnlineDistiller:
                 self.trainer.commit()
                 self.engine.swap_draft(state, version)
                 with self._lock:  # what serves now has learnt them: no later guard may score on them
+                    if self.files is not None:
+                        self.files.retired(train)
                     retire_guard_samples(train)
             else:
                 self.trainer.revert()

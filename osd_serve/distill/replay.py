@@ -38,6 +38,7 @@ class ReplayRecord:
     # while it is among the newest (guard.split_for_guard), an ordinary record once a published update
     # trained on it (guard.retire_guard_samples).
     heldout: bool = False
+    seq: int = -1  # its file's number (spill.py), once a buffer that keeps files has kept it
 
     @property
     def nbytes(self) -> int:

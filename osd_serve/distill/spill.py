@@ -172,16 +172,17 @@ def count_new(shard, finished: int) -> None:
     shard.new_since_update, shard.oldest_new = len(new), min((r.created for r in new), default=None)
 
 
-def restore(spill: RecordSpill, buffer, make_ref) -> tuple[int, int]:
+def restore(spill: RecordSpill, buffer, make_ref, only: str | None = None) -> tuple[int, int]:
     """Read every expert's records back into ``buffer`` (a replay.ReplayBuffer), oldest first, through
     ``make_ref(spilled, created)``: what the buffer keeps of one (a record, or the Ray buffer's ref to it,
     with ``.seq``). ``created`` is on this process's monotonic clock, from the wall-clock time saved, so the
     age trigger counts from when the record was made, not from the restart. Records newer than the expert's
     last finished update count toward its trigger again, as they did before the restart (and so do those
     of an update under way then: it died with the buffer). A record the buffer refuses loses its file.
+    only: that expert's records alone (the local backend has a buffer per expert).
     Returns (records kept, the next free seq)."""
     wall, mono, kept, next_seq = time.time(), time.monotonic(), 0, 0
-    for expert in spill.experts():
+    for expert in [only] if only is not None else spill.experts():
         state, shard = spill.state(expert), buffer.shard(expert)
         for s in spill.load(expert):
             created = mono - max(0.0, wall - s.wall)
@@ -211,19 +212,32 @@ class SpillWriter:
         self._queued = 0  # bytes of the records queued
         self._dropped: set[tuple[str, int]] = set()  # (expert, seq) dropped while its save was queued
         self._warned = False
-        threading.Thread(target=self._run, name="osd-replay-spill", daemon=True).start()
+        self._closed = False  # close(): what is still queued is skipped
+        self._thread = threading.Thread(target=self._run, name="osd-replay-spill", daemon=True)
+        self._thread.start()
+
+    def _put(self, fn, *args) -> bool:
+        if self._closed:
+            return False
+        self._q.put((fn, args))
+        return True
 
     def _run(self) -> None:
         while True:
             fn, args = self._q.get()
             try:
-                fn(*args)
+                if fn is None:
+                    return  # close(): the thread ends
+                if not self._closed:
+                    fn(*args)
             except Exception as e:  # noqa: BLE001  the methods log their own OSErrors; this thread must live on
                 logger.warning("replay buffer: %s failed: %r", getattr(fn, "__name__", fn), e)
             finally:
                 self._q.task_done()
 
     def save(self, seq: int, expert: str, rec) -> bool:
+        if self._closed:
+            return False
         with self._lock:
             if self._queued + rec.nbytes > self.MAX_BACKLOG_BYTES:
                 if not self._warned:
@@ -232,8 +246,7 @@ class SpillWriter:
                     self._warned = True
                 return False
             self._queued += rec.nbytes
-        self._q.put((self._save, (seq, expert, rec)))
-        return True
+        return self._put(self._save, seq, expert, rec)
 
     def _save(self, seq: int, expert: str, rec) -> None:
         try:
@@ -246,21 +259,117 @@ class SpillWriter:
     # queued behind the saves before them, so a record's file is never removed before it is written
     def drop(self, expert: str, seq: int) -> None:
         self._dropped.add((expert, seq))
-        self._q.put((self._drop, (expert, seq)))
+        self._put(self._drop, expert, seq)
 
     def _drop(self, expert: str, seq: int) -> None:
         self._dropped.discard((expert, seq))
         self.disk.drop(expert, seq)
 
     def unguard(self, expert: str, seq: int) -> None:
-        self._q.put((self.disk.unguard, (expert, seq)))
+        self._put(self.disk.unguard, expert, seq)
 
     def finished(self, expert: str, seq: int, seen: int) -> None:
-        self._q.put((self.disk.finished, (expert, seq, seen)))
+        self._put(self.disk.finished, expert, seq, seen)
 
     def reset(self, pair: list[str] | None) -> None:
-        self._q.put((self.disk.reset, (pair,)))
+        self._put(self.disk.reset, pair)
 
     def flush(self) -> None:
         """Wait until every write asked for so far is done (tests; a clean shutdown)."""
         self._q.join()
+
+    def close(self, timeout_s: float = 10.0) -> bool:
+        """Do the writes asked for so far, for up to ``timeout_s``, then skip the rest: a replica letting its
+        versions slot go must not write into it once the next one may have read it. Whether all were done."""
+        done = threading.Event()
+        self._put(done.set)
+        ok = done.wait(timeout_s)
+        self._closed = True
+        self._q.put((None, ()))
+        if not ok:
+            logger.warning("replay buffer: %d writes still queued for %s after %g s are dropped",
+                           self._q.qsize(), self.disk.root, timeout_s)
+        return ok
+
+
+def pair_of(cfg) -> list[str]:
+    """[target, draft] of an AppConfig as configured, as a buffer tells one pair's records from another's.
+    Not the resolved paths: the embedded default pair's differ from node to node (each builds its own
+    under its HOME), and replicas of one pair would wipe each other's records."""
+    return [cfg.target or "embedded default", cfg.draft or "embedded default"]
+
+
+class ReplicaSpill:
+    """The local backend's records as files (distill.backend: local): every expert's of one SpecService
+    replica, under its versions slot (versions.claim_slot), so the replica that takes the slot over after
+    a crash resumes with them, not empty. The slot's lock makes the files this process's alone: no other
+    process's update can finish or put back a window over them, as one can at the Ray buffer actor's.
+    Each method is called under the expert's distiller lock (online.py), which orders a record's seq
+    against the mark an update takes."""
+
+    def __init__(self, root: str | os.PathLike, pair: list[str]):
+        self.writer = SpillWriter(RecordSpill(root))
+        self._lock = threading.Lock()  # the seq counter is one over all experts, whose distillers run apart
+        self._next = 0
+        self.on = True  # False: a read-back failed; records are kept in memory only, their files left alone
+        disk = self.writer.disk
+        try:
+            if (was := disk.pair()) != list(pair):
+                if was is not None:
+                    logger.warning("replay buffer: the pair changed from %s to %s; the records under %s are dropped",
+                                   was, pair, disk.root)
+                disk.reset(list(pair))  # at once, not queued: restore() must find no other pair's records
+        except Exception as e:  # noqa: BLE001  as a read-back that fails: serve, in memory only
+            self._off(e)
+
+    def _off(self, e: Exception) -> None:
+        logger.warning("replay buffer: reading records back from %s failed (%r); writing no records there until "
+                       "the replica restarts", self.writer.disk.root, e)
+        self.on = False
+
+    def restore(self, expert: str, buffer) -> int:
+        """The expert's records read back into its buffer (whose on_drop is ``dropped``); how many were kept."""
+        if not self.on:
+            return 0
+        def make(s: Spilled, created: float) -> ReplayRecord:
+            s.record.created, s.record.seq = created, s.seq
+            return s.record
+        try:
+            kept, next_seq = restore(self.writer.disk, buffer, make, only=expert)
+        except Exception as e:  # noqa: BLE001  the files stay for the next replica; this one starts empty
+            self._off(e)
+            buffer.shards.pop(expert, None)
+            return 0
+        with self._lock:
+            self._next = max(self._next, next_seq)
+        if kept:
+            logger.warning("replay buffer: %d records of %s read back from %s", kept, expert, self.writer.disk.root)
+        return kept
+
+    def kept(self, rec: ReplayRecord) -> None:
+        with self._lock:
+            rec.seq, self._next = self._next, self._next + 1
+        if self.on:
+            self.writer.save(rec.seq, rec.expert, rec)
+
+    def mark(self) -> int:
+        """The newest seq given so far: an update taking the shard now takes every record of its up to here."""
+        with self._lock:
+            return self._next - 1
+
+    def dropped(self, rec: ReplayRecord) -> None:
+        if self.on and rec.seq >= 0:
+            self.writer.drop(rec.expert, rec.seq)
+
+    def retired(self, records: list) -> None:
+        """Before guard.retire_guard_samples(records): the guard samples' files become ordinary records'."""
+        for r in records:
+            if self.on and r.heldout and r.seq >= 0:
+                self.writer.unguard(r.expert, r.seq)
+
+    def finished(self, expert: str, mark: int, seen: int) -> None:
+        if self.on:
+            self.writer.finished(expert, mark, seen)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        self.writer.close(timeout_s)

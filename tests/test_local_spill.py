@@ -1,0 +1,172 @@
+"""The local backend's replay buffer on disk (spill.ReplicaSpill): a SpecService replica's records are
+files in its versions slot, so the replica that takes the slot over after a crash (or scaling down and up)
+resumes with them, their guard flags and the trigger state, instead of starting empty."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+
+from deployments.config import AppConfig
+from osd_serve.config import SamplingParams
+from osd_serve.distill import online
+from osd_serve.distill import spill as sp
+from osd_serve.distill.guard import Verdict
+from osd_serve.distill.replay import BufferConfig, ReplayBuffer
+from osd_serve.distill.spill import ReplicaSpill
+from osd_serve.service import SpecService
+from tests.conftest import llama, perturbed
+from tests.test_replay_spill import PAIR, _record, _same
+
+PROMPTS = ["def f(x):", "SELECT a FROM", "import os\n", "class A:", "x = [1, 2,", "for i in range(",
+           "return x +", "print('a"]
+
+
+def _files(root, expert="default"):
+    return sorted(p.name for p in (root / expert).glob("*.safetensors"))
+
+
+def _buffer(files: ReplicaSpill, max_bytes: int = 1 << 20) -> ReplayBuffer:
+    return ReplayBuffer(BufferConfig(max_bytes=max_bytes, trigger_records=100), on_drop=files.dropped)
+
+
+def _keep(files, buf, rec):
+    if buf.add(rec):
+        files.kept(rec)
+
+
+def test_records_read_back_with_their_flags_and_trigger_state(tmp_path):
+    files = ReplicaSpill(tmp_path, PAIR)
+    buf, recs = _buffer(files), [_record(i, heldout=i % 3 == 0) for i in range(5)] + [_record(9, "sql")]
+    for r in recs:
+        _keep(files, buf, r)
+    files.finished("default", recs[2].seq, buf.shard("default").seen)  # an update took the first three
+    files.close()
+    again = ReplicaSpill(tmp_path, PAIR)
+    back = _buffer(again)
+    assert again.restore("default", back) == 5 and again.restore("sql", back) == 1
+    got = list(back.shard("default").records) + list(back.shard("sql").records)
+    assert all(_same(a, b) for a, b in zip(got, recs, strict=True))
+    assert [r.seq for r in got] == [0, 1, 2, 3, 4, 5]
+    assert back.shard("default").new_since_update == 2 and back.shard("sql").new_since_update == 1
+    new = _record(10)
+    _keep(again, back, new)
+    assert new.seq == 6  # numbered on from the files: an old record's file is never overwritten
+    again.close()
+
+
+def test_eviction_and_retiring_reach_the_files(tmp_path):
+    files = ReplicaSpill(tmp_path, PAIR)
+    buf = _buffer(files, max_bytes=3 * _record(0).nbytes)
+    recs = [_record(i, heldout=True) for i in range(5)]
+    for r in recs:
+        _keep(files, buf, r)
+    files.retired(recs[3:4])
+    files.writer.flush()
+    # the two oldest were evicted: their files are gone; the retired guard sample is an ordinary record's
+    assert _files(tmp_path) == ["000000000002.g.safetensors", "000000000003.safetensors", "000000000004.g.safetensors"]
+    files.close()
+
+
+def test_another_pair_drops_the_records(tmp_path):
+    files = ReplicaSpill(tmp_path, PAIR)
+    _keep(files, _buffer(files), _record(0))
+    files.close()
+    other = ReplicaSpill(tmp_path, ["another target", "d"])
+    buf = _buffer(other)
+    assert other.restore("default", buf) == 0 and not buf.shard("default").records
+    assert not (tmp_path / "default").exists() and sp.RecordSpill(tmp_path).pair() == ["another target", "d"]
+    other.close()
+
+
+def test_a_failed_read_back_keeps_the_files_and_writes_no_more(tmp_path, monkeypatch):
+    """A passing disk error must not cost the records: this replica runs in memory only, and the files
+    wait, untouched, for the next one."""
+    files = ReplicaSpill(tmp_path, PAIR)
+    _keep(files, _buffer(files), _record(0))
+    files.close()
+    monkeypatch.setattr(sp.RecordSpill, "load", lambda self, e: (_ for _ in ()).throw(OSError(5, "I/O error")))
+    again = ReplicaSpill(tmp_path, PAIR)
+    buf = _buffer(again)
+    assert again.restore("default", buf) == 0 and not buf.shard("default").records and not again.on
+    _keep(again, buf, _record(1))
+    again.close()
+    assert _files(tmp_path) == ["000000000000.safetensors"]
+
+
+def test_close_writes_what_is_queued_and_nothing_after(tmp_path):
+    files = ReplicaSpill(tmp_path, PAIR)
+    buf = _buffer(files)
+    for i in range(20):
+        _keep(files, buf, _record(i))
+    files.close()
+    assert len(_files(tmp_path)) == 20
+    _keep(files, buf, _record(20))  # a record that finishes as the replica shuts down
+    files.writer.flush()
+    assert len(_files(tmp_path)) == 20  # the slot may be the next replica's by now
+    files.writer._thread.join(timeout=10)
+    assert not files.writer._thread.is_alive()  # and its thread ended
+
+
+def _make(tok, tmp_path, **distill):
+    target = llama(len(tok), seed=3)
+    draft = perturbed(target, 0.05)
+    cfg = AppConfig(distill={"versions_dir": str(tmp_path), "mode": "full", "trigger_records": 1000,
+                             "trigger_age_s": 3600, **distill}, wandb={"mode": "disabled"})
+    return lambda tag: SpecService(cfg, models=(target, copy.deepcopy(draft), tok), replica_tag=tag,  # noqa: E731
+                                   private_versions=True)
+
+
+async def _serve(svc, prompts):
+    for p in prompts:
+        async for _ in svc.stream("default", p, SamplingParams(max_tokens=12, temperature=0)):
+            pass
+
+
+def test_a_replica_that_takes_the_slot_over_resumes_its_records(tok, tmp_path, monkeypatch):
+    """The buffer lived in the replica's process: a crashed replica's replacement started empty, and the
+    traffic it had recorded (up to buffer_mb per expert) had to be served again before anything trained."""
+    monkeypatch.setattr(online, "check", lambda *a, **k: Verdict(True, "published by the test", {}, {}))
+    make = _make(tok, tmp_path)
+    first = make("r1")
+    try:
+        dist = first.distillers["default"]
+        dist.engine.recorder.cfg.guard_every = 1  # every record a guard sample: an update trains on some
+        asyncio.run(_serve(first, PROMPTS))
+        res = asyncio.run(first.admin_update("default"))
+        assert res["updated"] and res["published"]
+        asyncio.run(_serve(first, PROMPTS[:3]))  # after the update: new toward the next one
+        held = [copy.copy(r) for r in dist.buffer.shard("default").records]
+        assert len(held) >= 8 and dist.buffer.shard("default").new_since_update == 3
+        flags = [r.heldout for r in held]
+        assert True in flags and False in flags  # the update retired the guard samples it trained on
+    finally:
+        first.close()
+    second = make("r2")  # slot-0 is free again: this is the replica that replaces the first
+    try:
+        shard = second.distillers["default"].buffer.shard("default")
+        assert [r.seq for r in shard.records] == [r.seq for r in held]
+        assert all(_same(a, b) for a, b in zip(shard.records, held, strict=True))
+        assert shard.new_since_update == 3  # the update's records stay trained on; the three after it count
+        assert second.spill.writer.disk.root == tmp_path / "replicas" / "slot-0" / ".replay"
+        assert asyncio.run(second.admin_experts())["experts"]["default"]["buffer_bytes"] == shard.nbytes > 0
+        third = make("r3")  # a replica beside it: a slot of its own, and none of slot-0's records
+        try:
+            assert not third.distillers["default"].buffer.shard("default").records
+        finally:
+            third.close()
+    finally:
+        second.close()
+
+
+def test_a_replica_without_a_slot_keeps_no_files(tok, tmp_path):
+    """Outside Ray Serve (the CLI, tests) nothing holds the directory for one process: no files."""
+    target = llama(len(tok), seed=3)
+    cfg = AppConfig(distill={"versions_dir": str(tmp_path), "mode": "full"}, wandb={"mode": "disabled"})
+    svc = SpecService(cfg, models=(target, perturbed(target, 0.05), tok))
+    try:
+        asyncio.run(_serve(svc, PROMPTS[:2]))
+        assert svc.spill is None and svc.distillers["default"].files is None
+        assert svc.distillers["default"].buffer.shard("default").records and not list(tmp_path.rglob(".replay"))
+    finally:
+        svc.close()
