@@ -239,7 +239,7 @@ class _DistillController:
     def _update(self, expert: str, why: str, plan: dict) -> dict:
         refs, flags, window = ray.get(self.buffer.take.remote(expert))
         try:
-            event = self._job(expert, why, plan, refs, flags)
+            event = self._job(expert, why, plan, refs, flags, window)
         except Exception:
             self.buffer.rearm.remote(expert, window)  # retried after the loop's back-off, not a whole trigger later
             raise
@@ -250,7 +250,7 @@ class _DistillController:
             finish.remote(expert, window) if len(window) >= 4 else finish.remote(expert)
         return event
 
-    def _job(self, expert: str, why: str, plan: dict, refs: list, flags: list[bool]) -> dict:
+    def _job(self, expert: str, why: str, plan: dict, refs: list, flags: list[bool], window: tuple = ()) -> dict:
         from osd_serve.distill.guard import GuardConfig, check, split_for_guard
         from osd_serve.distill.versions import VersionStore, draft_fingerprint
         from transformers import AutoModelForCausalLM
@@ -295,11 +295,13 @@ class _DistillController:
                                             "serving": verdict.serving}, expect_current=base, expect_draft=base_draft)
             reason = reason if version is not None else f"version {base} is no longer current (rolled back or replaced)"
             if version is not None:  # refs in a list: Ray passes them through unresolved
+                trained = [i for i in split[0] if flags[i]]
+                # by number too (a window of 5): a buffer restarted since holds them under refs of its own
+                by_seq = ([window[4][i] for i in trained], window) if len(window) >= 5 else ()
                 try:
-                    ray.get(self.buffer.retire.remote(expert, [refs[i] for i in split[0] if flags[i]]))
+                    ray.get(self.buffer.retire.remote(expert, [refs[i] for i in trained], *by_seq))
                 except Exception as e:  # noqa: BLE001  published: failing the job here rearmed its window, and the
-                    # same records were trained again over the version that holds them. (A restarted buffer holds
-                    # them under new refs, which match none of these: they stay guard samples.)
+                    # same records were trained again over the version that holds them
                     logger.warning("distill controller: %s: version %s published, retiring its guard samples failed: %r",
                                    expert, version, e)
         return {"expert": expert, "trigger": why, "plan": plan, "published": version is not None, "reason": reason,

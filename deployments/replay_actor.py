@@ -133,8 +133,11 @@ class _ReplayBufferActor:
             shard.rearm(self.taken.pop(expert))
         window = self.taken[expert] = shard.mark_updated()
         self.marks[expert] = self.seq - 1
-        return [r.ref[0] for r in shard.records], [r.heldout for r in shard.records], (*window, self.incarnation,
-                                                                                      self.seq - 1)
+        # The records' numbers close the window: a job that publishes after this process died retires its guard
+        # samples by them (retire), as the restarted process holds the records under refs of its own
+        records = shard.records
+        return ([r.ref[0] for r in records], [r.heldout for r in records],
+                (*window, self.incarnation, self.seq - 1, tuple(r.seq for r in records)))
 
     def _mine(self, window: tuple | None) -> bool:
         return window is None or len(window) < 4 or window[2] == self.incarnation
@@ -170,10 +173,17 @@ class _ReplayBufferActor:
             self.buffer.shard(expert).rearm(window)
         return {expert: window[0] for expert, window in taken.items()}
 
-    def retire(self, expert: str, refs: list) -> None:
-        """refs: guard samples an update trained on and published (guard.retire_guard_samples)."""
-        trained = set(refs)
-        retired = [r for r in self.buffer.shard(expert).records if r.ref[0] in trained]
+    def retire(self, expert: str, refs: list, seqs: list[int] | None = None, window: tuple | None = None) -> None:
+        """refs: guard samples an update trained on and published (guard.retire_guard_samples); seqs: their
+        numbers, and window: the one its job took. A window of a former process's names records whose refs this
+        one never gave out: those it read back (numbered below first_seq) are retired by number."""
+        records = self.buffer.shard(expert).records
+        if seqs is None or self._mine(window):
+            trained = set(refs)
+            retired = [r for r in records if r.ref[0] in trained]
+        else:  # started empty (not restored): what that job trained on is gone
+            numbered = {s for s in seqs if s < self.first_seq} if self.restored else set()
+            retired = [r for r in records if r.seq in numbered]
         for r in retired:
             if self.spill and r.heldout:
                 self.spill.unguard(expert, r.seq)

@@ -257,7 +257,7 @@ def test_finish_is_called_as_the_buffer_that_took_the_window_takes_it(plain_ray,
                                             finish=types.SimpleNamespace(remote=lambda *a: calls.append(a)))
         ctrl._job = lambda expert, *rest: {"expert": expert, "published": True}
         ctrl._update("default", "size", {"num_workers": 1})
-    assert calls[0] == ("default",) and calls[1][0] == "default" and len(calls[1][1]) == 4
+    assert calls[0] == ("default",) and calls[1][0] == "default" and len(calls[1][1]) == 5
 
 
 def test_a_failed_jobs_entry_says_when_it_started_and_what_it_was(plain_ray, monkeypatch, tmp_path, draft_dir):
@@ -278,3 +278,24 @@ def test_a_failed_jobs_entry_says_when_it_started_and_what_it_was(plain_ray, mon
     [entry] = ctrl.history()
     assert entry["time"] == 100.0 and entry["seconds"] == 18.0 and entry["trigger"] == "size"
     assert entry["plan"] == dist.plan_workers([{"CPU": 2.0}], 0.0, 4) and "owner has exited" in entry["error"]
+
+
+def test_a_published_job_names_its_guard_samples_by_number_too(plain_ray, monkeypatch, tmp_path, draft_dir):
+    """By ref alone, a buffer restarted mid-job (its records read back under refs of its own) retired none of
+    them: they stayed guard samples. The numbers let it find them (test_replay_spill.py); a buffer made
+    before take() gave them (a window of 4) is asked as before."""
+    from tests.test_distiller_mutants import _controller
+
+    ctrl, trains, _ = _controller(plain_ray, monkeypatch, tmp_path, draft_dir)
+    calls, retire = [], ctrl.buffer.retire.remote
+    monkeypatch.setattr(ctrl.buffer, "retire", types.SimpleNamespace(remote=lambda *a: calls.append(a) or retire(*a)))
+    for take in (plain_ray.take, lambda expert: (lambda r: (r[0], r[1], r[2][:4]))(plain_ray.take(expert))):
+        for i in range(12):
+            plain_ray.add("default", _rec(heldout=i % 2 == 0), 100)
+        monkeypatch.setattr(ctrl.buffer, "take", types.SimpleNamespace(remote=take))
+        assert ctrl._update("default", "size", {"num_workers": 1, "use_gpu": False})["published"]
+    (expert, refs, seqs, window), older = calls
+    # 6 guard samples, the newest 2 held out (heldout: 2): the job trained on those numbered 0, 2, 4 and 6
+    assert expert == "default" and seqs == [0, 2, 4, 6] and len(window) == 5 and window[2] == plain_ray.incarnation
+    assert [r.seq for r in plain_ray.buffer.shard("default").records if r.ref[0] in set(refs)] == seqs
+    assert len(older) == 2 and len(trains) == 2

@@ -215,6 +215,33 @@ def test_a_job_that_finishes_on_a_restarted_buffer_ends_its_window_there(actor_c
     assert fresh.buffer.shard("default").new_since_update == 3
 
 
+def test_a_job_that_publishes_on_a_restarted_buffer_retires_its_guard_samples_there(actor_cls, tmp_path):
+    """The restarted buffer holds the records under refs of its own, which matched none of the job's: the
+    guard samples it trained on stayed guard samples, and later guards scored drafts on data they fitted."""
+    b = _started(actor_cls, tmp_path)
+    for i in range(4):
+        b.add("default", _record(i, heldout=True), 999, PAIR)
+    gate = _stalled(b.spill)
+    b.add("default", _record(4, heldout=True), 999, PAIR)  # queued when the process is killed: lost
+    refs, flags, window = b.take("default")
+    b.spill._q.queue.clear()
+    gate.set()
+    again = actor_cls(CFG, str(tmp_path))
+    again.due(CFG, PAIR)
+    again.add("default", _record(5, heldout=True), 999, PAIR)  # numbered 4, as the lost one was; no job took it
+    trained = [0, 2, 4]  # the job trained on three of its guard samples and published
+    again.retire("default", [refs[i] for i in trained], [window[4][i] for i in trained], window)
+    assert [(r.seq, r.heldout) for r in again.buffer.shard("default").records] == [
+        (0, False), (1, True), (2, False), (3, True), (4, True)]
+    assert _files(again, tmp_path) == ["000000000000.safetensors", "000000000001.g.safetensors",
+                                       "000000000002.safetensors", "000000000003.g.safetensors",
+                                       "000000000004.g.safetensors"]
+    # this process's own job still names its records by ref
+    refs, _, window = again.take("default")
+    again.retire("default", [refs[-1]], [window[4][-1]], window)
+    assert again.buffer.shard("default").records[-1].heldout is False
+
+
 def test_a_restart_keeps_what_the_current_bound_keeps(actor_cls, tmp_path):
     """Ray restarts the actor with its creation's config; a redeploy raised buffer_mb since. Restored under
     the creation's bound, the records past it were evicted and their files removed for good."""
