@@ -18,6 +18,7 @@ from osd_serve.distill.replay import BufferConfig, ReplayBuffer
 from osd_serve.distill.spill import RecordSpill, SpillWriter, count_new, restore
 
 logger = logging.getLogger("ray.serve")
+SEQ_BLOCK = 4096  # record numbers reserved on disk at a time
 
 
 @dataclass
@@ -51,6 +52,7 @@ class _ReplayBufferActor:
         self.taken: dict[str, tuple] = {}
         self.marks: dict[str, int] = {}
         self.seq = 0  # the next record's file number, one counter over all experts
+        self.reserved = 0  # numbers below it are reserved on disk (spill.RecordSpill.reserve), never handed out twice
         # A job's window names the process it was taken from: one of a former process's, put back or finished
         # here, is of records restore() counted already
         self.incarnation = uuid.uuid4().hex
@@ -62,14 +64,16 @@ class _ReplayBufferActor:
     def _restore(self, cfg: dict) -> None:
         disk = self.spill.disk
         try:
+            self.seq = self.reserved = disk.reserved()  # past every number a former process handed out
             self.pair = self.spilled_pair = disk.pair()
             if self.pair is None:
                 return
             # All of them until configure() brings the current bound: this is the creation's cfg, and a redeploy
             # may have raised buffer_mb since; evicting here would delete the files of records the current one keeps
             self.buffer = self._new_buffer({**cfg, "max_bytes": 1 << 62})
-            kept, self.seq = restore(disk, self.buffer, lambda s, created: RecordRef(
+            kept, after = restore(disk, self.buffer, lambda s, created: RecordRef(
                 [ray.put(s.record)], s.record.nbytes, s.record.expert, s.record.heldout, created, s.seq))
+            self.seq = self.reserved = max(self.seq, after)  # files of an older osd-serve reserved none
             held = max((sh.nbytes for sh in self.buffer.shards.values()), default=0)
             self.buffer.reconfigure(BufferConfig(**{**cfg, "max_bytes": max(cfg["max_bytes"], held)}))
             self.restored = True
@@ -79,7 +83,7 @@ class _ReplayBufferActor:
             logger.warning("replay buffer: reading records back from %s failed (%r); starting empty, and writing "
                            "no records there until the next restart", disk.root, e)
             self.spill = None  # first: the new buffer's eviction hook reads it
-            self.buffer, self.pair, self.spilled_pair, self.seq = self._new_buffer(cfg), None, None, 0
+            self.buffer, self.pair, self.spilled_pair, self.seq, self.reserved = self._new_buffer(cfg), None, None, 0, 0
         self.first_seq = self.seq
 
     def _new_buffer(self, cfg: dict) -> ReplayBuffer:
@@ -115,6 +119,9 @@ class _ReplayBufferActor:
         ref.seq = self.seq  # its file's name, if it gets one (a disk can refuse it)
         self.seq += 1
         if self.spill and self.spilled_pair is not None:
+            if ref.seq >= self.reserved:  # one synchronous write per SEQ_BLOCK records
+                self.reserved = ref.seq + SEQ_BLOCK
+                self.spill.disk.reserve(self.reserved)
             self.spill.save(ref.seq, expert, record)
         return True
 

@@ -107,6 +107,7 @@ class SpecService:
             if private_versions:  # the slot's lock makes its files this replica's alone, records as versions
                 root, self._slot = claim_slot(root.parent / "replicas")
                 self.spill = files = ReplicaSpill(root / ".replay", pair_of(cfg))
+                files.keep_only(list(self.server.engines))
             for name, eng in self.server.engines.items():
                 train = TrainConfig(mode=d.mode, lr=d.lr, steps_per_update=d.steps_per_update,
                                     time_limit_s=d.train_time_limit_s)
@@ -219,10 +220,10 @@ class SpecService:
             d.stop()
         if self.server is not None:
             self.server.close()
-        if self.spill is not None:  # its queued writes land (for up to 10 s), and none after the slot is let go
-            self.spill.close()
-            self.spill = None
         self.telemetry.close()
-        if self._slot is not None:  # the versions stay for the replica that takes the slot next
-            self._slot.close()
-            self._slot = None
+        slot, self._slot = self._slot, None  # the versions and records stay for the replica that takes it next
+        if self.spill is not None:  # let go once the queued writes land (up to 10 s), or a hung one ends
+            self.spill.close(then=slot.close if slot is not None else None)
+            self.spill = None
+        elif slot is not None:
+            slot.close()

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import threading
+import time
+import types
 
 from deployments.config import AppConfig
 from osd_serve.config import SamplingParams
@@ -108,6 +111,34 @@ def test_close_writes_what_is_queued_and_nothing_after(tmp_path):
     assert not files.writer._thread.is_alive()  # and its thread ended
 
 
+def test_the_slot_is_let_go_only_after_a_hung_write_ends(tmp_path, monkeypatch):
+    """Past close()'s wait, a write under way (a hung shared disk) landed after the replica had let its slot
+    go, in the directory the next replica was reading."""
+    gate, events = threading.Event(), []
+    real = sp.RecordSpill.save
+    monkeypatch.setattr(sp.RecordSpill, "save", lambda *a: gate.wait() and events.append("written") or real(*a))
+    files = ReplicaSpill(tmp_path, PAIR)
+    _keep(files, _buffer(files), _record(0))
+    files.close(timeout_s=0.1, then=lambda: events.append("slot let go"))
+    assert events == []
+    gate.set()
+    files.writer._thread.join(timeout=10)
+    assert events == ["written", "slot let go"] and _files(tmp_path) == ["000000000000.safetensors"]
+    assert files.writer.close() is True  # a second close changes nothing
+
+
+def test_a_redeploy_that_drops_an_expert_removes_its_records(tmp_path):
+    files = ReplicaSpill(tmp_path, PAIR)
+    buf = _buffer(files)
+    for expert in ("default", "sql"):
+        _keep(files, buf, _record(0, expert))
+    files.close()
+    again = ReplicaSpill(tmp_path, PAIR)
+    again.keep_only(["default"])
+    assert sp.RecordSpill(tmp_path).experts() == ["default"]
+    again.close()
+
+
 def _make(tok, tmp_path, **distill):
     target = llama(len(tok), seed=3)
     draft = perturbed(target, 0.05)
@@ -142,13 +173,15 @@ def test_a_replica_that_takes_the_slot_over_resumes_its_records(tok, tmp_path, m
         assert True in flags and False in flags  # the update retired the guard samples it trained on
     finally:
         first.close()
+    replay = tmp_path / "replicas" / "slot-0" / ".replay"
+    sp.RecordSpill(replay).save(99, "gone", _record(0, "gone"))  # an expert a redeploy dropped
     second = make("r2")  # slot-0 is free again: this is the replica that replaces the first
     try:
         shard = second.distillers["default"].buffer.shard("default")
         assert [r.seq for r in shard.records] == [r.seq for r in held]
         assert all(_same(a, b) for a, b in zip(shard.records, held, strict=True))
         assert shard.new_since_update == 3  # the update's records stay trained on; the three after it count
-        assert second.spill.writer.disk.root == tmp_path / "replicas" / "slot-0" / ".replay"
+        assert second.spill.writer.disk.root == replay and sp.RecordSpill(replay).experts() == ["default"]
         assert asyncio.run(second.admin_experts())["experts"]["default"]["buffer_bytes"] == shard.nbytes > 0
         third = make("r3")  # a replica beside it: a slot of its own, and none of slot-0's records
         try:
@@ -170,3 +203,46 @@ def test_a_replica_without_a_slot_keeps_no_files(tok, tmp_path):
         assert svc.distillers["default"].buffer.shard("default").records and not list(tmp_path.rglob(".replay"))
     finally:
         svc.close()
+
+
+def test_records_that_arrive_during_an_update_stay_new_after_a_restart(tok, tmp_path):
+    """The update's mark is the newest record it took, not the newest when it ends: records kept while it
+    trained are not trained on, and a restart must count them toward the next update."""
+    make = _make(tok, tmp_path)
+    first = make("r1")
+    try:
+        dist = first.distillers["default"]
+        asyncio.run(_serve(first, PROMPTS))
+        train = dist.trainer.train
+
+        def train_while_traffic_comes(records):
+            for i in range(2):
+                dist._on_finish(_record(100 + i), None)
+            return train(records)
+
+        dist.trainer.train = train_while_traffic_comes
+        assert asyncio.run(first.admin_update("default"))["updated"]
+        assert dist.buffer.shard("default").new_since_update == 2
+    finally:
+        first.close()
+    second = make("r2")
+    try:
+        assert second.distillers["default"].buffer.shard("default").new_since_update == 2
+    finally:
+        second.close()
+
+
+def test_a_replica_lets_its_slot_go_after_its_records_are_written(tok, tmp_path, monkeypatch):
+    """Else the replica that takes the slot over reads it while the last records are still being written."""
+    real = sp.RecordSpill.save
+    monkeypatch.setattr(sp.RecordSpill, "save", lambda *a: time.sleep(0.05) or real(*a))
+    svc = _make(tok, tmp_path)("r1")
+    root = tmp_path / "replicas" / "slot-0" / ".replay"
+    try:
+        asyncio.run(_serve(svc, PROMPTS))
+        held = len(svc.distillers["default"].buffer.shard("default").records)
+        slot, seen = svc._slot, []
+        svc._slot = types.SimpleNamespace(close=lambda: seen.append(len(_files(root))) or slot.close())
+    finally:
+        svc.close()
+    assert seen == [held] and held >= 6

@@ -22,6 +22,7 @@ from osd_serve.distill.spill import RecordSpill, restore
 
 CFG = {"max_bytes": 1 << 20, "trigger_records": 4, "trigger_age_s": 60.0}
 PAIR = ["t", "d"]
+BLOCK = 4096  # replay_actor.SEQ_BLOCK: a restarted buffer numbers from the next block
 
 
 def _record(i: int, expert: str = "default", heldout: bool = False, topk: int = 0):
@@ -157,7 +158,8 @@ def test_a_restarted_buffer_has_its_records_guard_flags_and_trigger_back(actor_c
     for i in range(6, 9):
         again.add("default", _record(i), 999, PAIR)
     assert again.due() == {"default": "size"}
-    assert again.buffer.shard("default").records[-1].seq == 8  # numbering goes on; no file is overwritten
+    # numbered past every number the former process could have handed out: no file or window is mistaken
+    assert [r.seq for r in again.buffer.shard("default").records][-3:] == [BLOCK, BLOCK + 1, BLOCK + 2]
 
 
 def test_a_record_added_while_a_job_ran_counts_after_a_restart(actor_cls, tmp_path):
@@ -215,31 +217,50 @@ def test_a_job_that_finishes_on_a_restarted_buffer_ends_its_window_there(actor_c
     assert fresh.buffer.shard("default").new_since_update == 3
 
 
-def test_a_job_that_publishes_on_a_restarted_buffer_retires_its_guard_samples_there(actor_cls, tmp_path):
-    """The restarted buffer holds the records under refs of its own, which matched none of the job's: the
-    guard samples it trained on stayed guard samples, and later guards scored drafts on data they fitted."""
+def _killed_in_a_job(actor_cls, tmp_path, n):
+    """n guard samples, the last one's write still queued when the process is killed, as a job holds them all.
+    Returns the job's refs and window, and the restarted buffer."""
     b = _started(actor_cls, tmp_path)
-    for i in range(4):
+    for i in range(n - 1):
         b.add("default", _record(i, heldout=True), 999, PAIR)
     gate = _stalled(b.spill)
-    b.add("default", _record(4, heldout=True), 999, PAIR)  # queued when the process is killed: lost
-    refs, flags, window = b.take("default")
+    b.add("default", _record(n - 1, heldout=True), 999, PAIR)  # lost
+    refs, _, window = b.take("default")
     b.spill._q.queue.clear()
     gate.set()
     again = actor_cls(CFG, str(tmp_path))
     again.due(CFG, PAIR)
-    again.add("default", _record(5, heldout=True), 999, PAIR)  # numbered 4, as the lost one was; no job took it
+    return refs, window, again
+
+
+def test_a_job_that_publishes_on_a_restarted_buffer_retires_its_guard_samples_there(actor_cls, tmp_path):
+    """The restarted buffer holds the records under refs of its own, which matched none of the job's: the
+    guard samples it trained on stayed guard samples, and later guards scored drafts on data they fitted."""
+    refs, window, again = _killed_in_a_job(actor_cls, tmp_path, 5)
+    again.add("default", _record(5, heldout=True), 999, PAIR)  # no job took it
     trained = [0, 2, 4]  # the job trained on three of its guard samples and published
     again.retire("default", [refs[i] for i in trained], [window[4][i] for i in trained], window)
     assert [(r.seq, r.heldout) for r in again.buffer.shard("default").records] == [
-        (0, False), (1, True), (2, False), (3, True), (4, True)]
+        (0, False), (1, True), (2, False), (3, True), (BLOCK, True)]
     assert _files(again, tmp_path) == ["000000000000.safetensors", "000000000001.g.safetensors",
                                        "000000000002.safetensors", "000000000003.g.safetensors",
-                                       "000000000004.g.safetensors"]
+                                       "000000004096.g.safetensors"]
     # this process's own job still names its records by ref
     refs, _, window = again.take("default")
     again.retire("default", [refs[-1]], [window[4][-1]], window)
     assert again.buffer.shard("default").records[-1].heldout is False
+
+
+def test_a_number_lost_in_a_kill_is_never_handed_out_again(actor_cls, tmp_path):
+    """A job outliving two restarts: the first process's last record was never written, the second numbered
+    a new guard sample as that one, then died too; the job's retire on the third retired it by that number."""
+    refs, window, second = _killed_in_a_job(actor_cls, tmp_path, 3)
+    second.add("default", _record(3, heldout=True), 999, PAIR)
+    third = _restarted(actor_cls, second, tmp_path)
+    third.due(CFG, PAIR)
+    third.retire("default", refs, list(window[4]), window)  # trained on all three, and published
+    assert [(r.seq, r.heldout) for r in third.buffer.shard("default").records] == [(0, False), (1, False), (BLOCK, True)]
+    assert 2 * BLOCK == third.first_seq
 
 
 def test_a_restart_keeps_what_the_current_bound_keeps(actor_cls, tmp_path):
@@ -416,4 +437,4 @@ def test_a_restart_no_configure_reaches_stays_bounded(actor_cls, tmp_path):
     again = _restarted(actor_cls, b, tmp_path, {**CFG, "max_bytes": 2 * size})
     assert again.buffer.cfg.max_bytes == 3 * size and again.stats()["default"]["records"] == 3
     again.add("default", _record(3), size, PAIR)
-    assert [r.seq for r in again.buffer.shard("default").records] == [1, 2, 3]
+    assert [r.seq for r in again.buffer.shard("default").records] == [1, 2, BLOCK]

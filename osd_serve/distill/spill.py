@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 _FIELDS = ("prompt_ids", "response_ids", "positions", "probs", "topk_ids", "rest_mass")
 _GUARD, _SUFFIX = ".g", ".safetensors"
 PAIR_FILE = ".pair.json"  # a dot: no expert's directory can be named so
+SEQ_FILE = ".seq.json"  # {"next": n}: numbers below n may have been handed out (RecordSpill.reserve)
 
 
 @dataclass
@@ -75,6 +76,23 @@ class RecordSpill:
             return json.loads((self.root / PAIR_FILE).read_text())
         except FileNotFoundError:
             return None
+
+    def reserved(self) -> int:
+        """The first number no process of this buffer can have handed out (reserve); 0 if none was saved."""
+        try:
+            return int(json.loads((self.root / SEQ_FILE).read_text())["next"])
+        except FileNotFoundError:
+            return 0
+
+    def reserve(self, upto: int) -> None:
+        """Numbers below ``upto`` may be handed out. Written at once, not queued, and before any of them is:
+        a window names its records by number (deployments/replay_actor.py), and a process killed before
+        their files were written would otherwise hand the same numbers to other records after a restart."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            replace_json(self.root / SEQ_FILE, {"next": upto})
+        except OSError as e:
+            self._failed("reserve record numbers", e)
 
     def reset(self, pair: list[str] | None) -> None:
         """Remove every record (they belong to another pair) and name the pair the next ones belong to."""
@@ -213,6 +231,7 @@ class SpillWriter:
         self._dropped: set[tuple[str, int]] = set()  # (expert, seq) dropped while its save was queued
         self._warned = False
         self._closed = False  # close(): what is still queued is skipped
+        self._then = None  # close(then=...): called on this thread as it stops
         self._thread = threading.Thread(target=self._run, name="osd-replay-spill", daemon=True)
         self._thread.start()
 
@@ -226,8 +245,10 @@ class SpillWriter:
         while True:
             fn, args = self._q.get()
             try:
-                if fn is None:
-                    return  # close(): the thread ends
+                if fn is None:  # close(): the thread ends, and lets the caller know
+                    if self._then is not None:
+                        self._then()
+                    return
                 if not self._closed:
                     fn(*args)
             except Exception as e:  # noqa: BLE001  the methods log their own OSErrors; this thread must live on
@@ -278,14 +299,19 @@ class SpillWriter:
         """Wait until every write asked for so far is done (tests; a clean shutdown)."""
         self._q.join()
 
-    def close(self, timeout_s: float = 10.0) -> bool:
-        """Do the writes asked for so far, for up to ``timeout_s``, then skip the rest: a replica letting its
-        versions slot go must not write into it once the next one may have read it. Whether all were done."""
+    def close(self, timeout_s: float = 10.0, then=None) -> bool:
+        """Do the writes asked for so far, for up to ``timeout_s``, then skip the rest; ``then()`` is called as
+        the thread stops, so after a write still under way at the timeout (a hung disk), never before: a replica
+        lets its versions slot go there, and the next one to take it must not meet this one's writes landing.
+        Whether all were done. A second call changes nothing."""
+        if self._closed:
+            return not self._thread.is_alive()
         done = threading.Event()
         self._put(done.set)
         ok = done.wait(timeout_s)
-        self._closed = True
+        self._then, self._closed = then, True
         self._q.put((None, ()))
+        self._thread.join(timeout=1.0 if ok else 0.0)  # at once, unless a write hangs
         if not ok:
             logger.warning("replay buffer: %d writes still queued for %s after %g s are dropped",
                            self._q.qsize(), self.disk.root, timeout_s)
@@ -326,6 +352,18 @@ class ReplicaSpill:
         logger.warning("replay buffer: reading records back from %s failed (%r); writing no records there until "
                        "the replica restarts", self.writer.disk.root, e)
         self.on = False
+
+    def keep_only(self, experts: list[str]) -> None:
+        """Remove the records of experts not configured (a redeploy dropped them): nothing would read them
+        back, and they would stay on disk for good."""
+        disk = self.writer.disk
+        for gone in sorted(set(disk.experts()) - set(experts)) if self.on else []:
+            try:
+                shutil.rmtree(disk.root / gone)
+                logger.warning("replay buffer: expert %r is not configured; its records under %s are removed",
+                               gone, disk.root)
+            except OSError as e:
+                disk._failed(f"remove the records of {gone!r}", e)
 
     def restore(self, expert: str, buffer) -> int:
         """The expert's records read back into its buffer (whose on_drop is ``dropped``); how many were kept."""
@@ -371,5 +409,5 @@ class ReplicaSpill:
         if self.on:
             self.writer.finished(expert, mark, seen)
 
-    def close(self, timeout_s: float = 10.0) -> None:
-        self.writer.close(timeout_s)
+    def close(self, timeout_s: float = 10.0, then=None) -> None:
+        self.writer.close(timeout_s, then)
