@@ -175,11 +175,14 @@ class SpecService:
         out = {}
         for name, eng in self.server.engines.items():
             dist = self.distillers.get(name)
+            shard = dist.buffer.shards.get(name) if dist else None
             out[name] = {"serving_version": eng.next_draft_version, "running": len(eng.running), "waiting": len(eng.waiting),
                          "finished": finish_counts(eng.finished),
                          "versions": dist.store.versions if dist else self._watched_versions(name),
-                         "updates": dist.n_updates if dist else 0,
-                         "buffer_bytes": dist.buffer.nbytes if dist else 0, "last_error": dist.error if dist else None}
+                         "updates": dist.n_updates if dist else 0, "buffer_bytes": dist.buffer.nbytes if dist else 0,
+                         # the records held, and those toward the next update's trigger (also after a restart)
+                         "buffer_records": len(shard.records) if shard else 0,
+                         "buffer_new": shard.new_since_update if shard else 0, "last_error": dist.error if dist else None}
         return {"experts": out, "replica": self.replica_tag}
 
     def _watched_versions(self, expert: str) -> list[int]:

@@ -182,7 +182,8 @@ def test_a_replica_that_takes_the_slot_over_resumes_its_records(tok, tmp_path, m
         assert all(_same(a, b) for a, b in zip(shard.records, held, strict=True))
         assert shard.new_since_update == 3  # the update's records stay trained on; the three after it count
         assert second.spill.writer.disk.root == replay and sp.RecordSpill(replay).experts() == ["default"]
-        assert asyncio.run(second.admin_experts())["experts"]["default"]["buffer_bytes"] == shard.nbytes > 0
+        seen = asyncio.run(second.admin_experts())["experts"]["default"]
+        assert (seen["buffer_bytes"], seen["buffer_records"], seen["buffer_new"]) == (shard.nbytes, len(held), 3)
         third = make("r3")  # a replica beside it: a slot of its own, and none of slot-0's records
         try:
             assert not third.distillers["default"].buffer.shard("default").records
