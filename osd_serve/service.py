@@ -18,7 +18,7 @@ from .distill.recorder import RecordConfig, Recorder
 from .distill.replay import BufferConfig, ReplayBuffer
 from .distill.spill import ReplicaSpill, pair_of
 from .distill.trainer import DistillTrainer, TrainConfig
-from .distill.versions import VersionStore, VersionWatcher, claim_slot
+from .distill.versions import VersionStore, VersionWatcher, claim_slot, draft_fingerprint
 from .output import finish_counts
 from .serving import AsyncSpecServer
 from .telemetry import Telemetry
@@ -106,7 +106,10 @@ class SpecService:
             root, files = self.versions_dir / replica_tag, None
             if private_versions:  # the slot's lock makes its files this replica's alone, records as versions
                 root, self._slot = claim_slot(root.parent / "replicas")
-                self.spill = files = ReplicaSpill(root / ".replay", pair_of(cfg))
+                # The target's weights too: records are its distributions, and new weights at the same path (a
+                # retrained target) would have the draft fitted to the old ones'
+                pair = [*pair_of(cfg), draft_fingerprint(self.target.state_dict())]
+                self.spill = files = ReplicaSpill(root / ".replay", pair)
                 files.keep_only(list(self.server.engines))
             for name, eng in self.server.engines.items():
                 train = TrainConfig(mode=d.mode, lr=d.lr, steps_per_update=d.steps_per_update,

@@ -247,3 +247,17 @@ def test_a_replica_lets_its_slot_go_after_its_records_are_written(tok, tmp_path,
     finally:
         svc.close()
     assert seen == [held] and held >= 6
+
+
+def test_a_replica_whose_target_changed_drops_the_records(tok, tmp_path):
+    """New weights at the same path (a retrained target): the records are the old target's distributions,
+    and training on them would fit the draft to a model no longer served."""
+    cfg = AppConfig(distill={"versions_dir": str(tmp_path), "mode": "full", "trigger_records": 1000}, wandb={"mode": "disabled"})
+    target = llama(len(tok), seed=3)
+    for weights, kept in ((target, 0), (target, 2), (perturbed(target, 0.05, seed=9), 0)):
+        svc = SpecService(cfg, models=(weights, perturbed(target, 0.05), tok), replica_tag="r", private_versions=True)
+        try:
+            assert len(svc.distillers["default"].buffer.shard("default").records) == kept
+            asyncio.run(_serve(svc, PROMPTS[:2]))
+        finally:
+            svc.close()
