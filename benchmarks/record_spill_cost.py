@@ -7,8 +7,10 @@ the engine). GSM8K questions when ../shared/datasets has them, else examples/pro
 
     python benchmarks/record_spill_cost.py --pair ~/.cache/osd-serve/default-pair --keep all
 
-Prints one JSON line: tok/s per round of each, their medians, the ratio files/memory (1.0: no cost), and the
-records and bytes the files side wrote.
+Prints one JSON line: tok/s per round of each; files/memory per round, each files round over the memory round
+run beside it (paired: the host's speed drifts over a run, which a ratio of two medians hides), their median
+(1.0: no cost) and in how many rounds the files side was slower; and the records and bytes it wrote. After each
+round, outside its timing, the writer is flushed and the OS's dirty pages synced, so no round pays for the last.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -71,6 +74,9 @@ def main() -> None:
             for r in range(args.rounds + 1):  # round 0 warms both up, and is not counted
                 for name in (("files", "memory") if r % 2 else ("memory", "files")):
                     rate = asyncio.run(_round(sides[name], texts, args.max_tokens, args.concurrency))
+                    if sides[name].spill is not None:
+                        sides[name].spill.writer.flush()
+                    os.sync()
                     if r:
                         tok_s[name].append(rate)
             spill = sides["files"].spill
@@ -80,10 +86,12 @@ def main() -> None:
         finally:
             for svc in sides.values():
                 svc.close()
-    med = {name: statistics.median(v) for name, v in tok_s.items()}
+    paired = [f / m for f, m in zip(tok_s["files"], tok_s["memory"], strict=True)]
     print(json.dumps({"pair": str(args.pair), "keep": args.keep, "requests": args.requests, "max_tokens": args.max_tokens,
-                      "concurrency": args.concurrency, "tok_s": tok_s, "median_tok_s": med,
-                      "files_over_memory": med["files"] / med["memory"], "written": written}))
+                      "concurrency": args.concurrency, "tok_s": tok_s,
+                      "median_tok_s": {name: statistics.median(v) for name, v in tok_s.items()},
+                      "files_over_memory_per_round": paired, "files_over_memory": statistics.median(paired),
+                      "rounds_files_slower": sum(x < 1 for x in paired), "written": written}))
 
 
 if __name__ == "__main__":

@@ -119,9 +119,8 @@ class _ReplayBufferActor:
         ref.seq = self.seq  # its file's name, if it gets one (a disk can refuse it)
         self.seq += 1
         if self.spill and self.spilled_pair is not None:
-            if ref.seq >= self.reserved:  # one synchronous write per SEQ_BLOCK records
+            if ref.seq >= self.reserved and self.spill.disk.reserve(ref.seq + SEQ_BLOCK):  # one write per block
                 self.reserved = ref.seq + SEQ_BLOCK
-                self.spill.disk.reserve(self.reserved)
             self.spill.save(ref.seq, expert, record)
         return True
 

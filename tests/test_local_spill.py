@@ -10,6 +10,8 @@ import threading
 import time
 import types
 
+import pytest
+
 from deployments.config import AppConfig
 from osd_serve.config import SamplingParams
 from osd_serve.distill import online
@@ -125,6 +127,12 @@ def test_the_slot_is_let_go_only_after_a_hung_write_ends(tmp_path, monkeypatch):
     files.writer._thread.join(timeout=10)
     assert events == ["written", "slot let go"] and _files(tmp_path) == ["000000000000.safetensors"]
     assert files.writer.close() is True  # a second close changes nothing
+    with pytest.raises(RuntimeError):
+        files.writer.close(then=lambda: None)  # the thread is gone: nothing would let that slot go
+    broken = sp.SpillWriter(sp.RecordSpill(tmp_path / "b"))
+    broken.close(then=lambda: 1 / 0)  # releasing the slot raised: the thread still ends
+    broken._thread.join(timeout=10)
+    assert not broken._thread.is_alive()
 
 
 def test_a_redeploy_that_drops_an_expert_removes_its_records(tmp_path):

@@ -263,6 +263,42 @@ def test_a_number_lost_in_a_kill_is_never_handed_out_again(actor_cls, tmp_path):
     assert 2 * BLOCK == third.first_seq
 
 
+def test_numbers_are_reserved_before_they_are_handed_out(actor_cls, tmp_path, monkeypatch):
+    """Queued behind the record writes, a reservation a kill lost let the restart number from the files."""
+    b = _started(actor_cls, tmp_path)
+    gate = _stalled(b.spill)  # the disk hangs from the first record on
+    for i in range(2):
+        b.add("default", _record(i), 999, PAIR)
+    _, _, window = b.take("default")
+    b.spill._q.queue.clear()  # killed: both records lost
+    gate.set()
+    again = actor_cls(CFG, str(tmp_path))
+    again.due(CFG, PAIR)
+    again.add("default", _record(2), 999, PAIR)
+    assert window[4] == (0, 1) and again.buffer.shard("default").records[-1].seq == BLOCK
+
+
+def test_a_failed_or_unreadable_reservation_costs_no_number_and_no_files(actor_cls, tmp_path, monkeypatch):
+    real, fails = sp.replace_json, iter([OSError(5, "I/O error")])
+
+    def flaky(path, obj):
+        if path.name == sp.SEQ_FILE and (e := next(fails, None)) is not None:
+            raise e
+        return real(path, obj)
+
+    monkeypatch.setattr(sp, "replace_json", flaky)
+    b = _started(actor_cls, tmp_path)
+    for i in range(2):  # the first one's reservation fails: the second one's is written
+        b.add("default", _record(i), 999, PAIR)
+    assert RecordSpill(tmp_path).reserved() == 1 + BLOCK
+    (tmp_path / sp.SEQ_FILE).write_text("")  # a power loss after an unsynced rename
+    again = _restarted(actor_cls, b, tmp_path)
+    again.due(CFG, PAIR)
+    again.add("default", _record(2), 999, PAIR)
+    assert again.spill is not None and [r.seq for r in again.buffer.shard("default").records] == [0, 1, 2]
+    assert RecordSpill(tmp_path).reserved() == 2 + BLOCK
+
+
 def test_a_restart_keeps_what_the_current_bound_keeps(actor_cls, tmp_path):
     """Ray restarts the actor with its creation's config; a redeploy raised buffer_mb since. Restored under
     the creation's bound, the records past it were evicted and their files removed for good."""

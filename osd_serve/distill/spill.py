@@ -58,7 +58,7 @@ class RecordSpill:
 
     def __init__(self, root: str | os.PathLike):
         self.root = Path(os.path.expanduser(root))
-        self._warned = False
+        self._warned = self._reserve_warned = False
 
     def _path(self, expert: str, seq: int, heldout: bool) -> Path:
         return self.root / expert / f"{seq:012d}{_GUARD if heldout else ''}{_SUFFIX}"
@@ -78,21 +78,33 @@ class RecordSpill:
             return None
 
     def reserved(self) -> int:
-        """The first number no process of this buffer can have handed out (reserve); 0 if none was saved."""
+        """The first number no process of this buffer can have handed out (reserve); 0 if none was saved, or
+        if what was is unreadable (a power loss after an unsynced rename): the numbers then go on from the
+        files, as before reservations. Raising here would have every restart run without files, for good."""
         try:
             return int(json.loads((self.root / SEQ_FILE).read_text())["next"])
         except FileNotFoundError:
             return 0
+        except (ValueError, KeyError, TypeError) as e:
+            logger.warning("replay buffer: %s is unreadable (%r); numbering goes on from the records' files",
+                           self.root / SEQ_FILE, e)
+            return 0
 
-    def reserve(self, upto: int) -> None:
+    def reserve(self, upto: int) -> bool:
         """Numbers below ``upto`` may be handed out. Written at once, not queued, and before any of them is:
         a window names its records by number (deployments/replay_actor.py), and a process killed before
-        their files were written would otherwise hand the same numbers to other records after a restart."""
+        their files were written would otherwise hand the same numbers to other records after a restart.
+        Whether it was written: if not, the caller tries again at its next number."""
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             replace_json(self.root / SEQ_FILE, {"next": upto})
+            return True
         except OSError as e:
-            self._failed("reserve record numbers", e)
+            if not self._reserve_warned:  # its own warning: a record's failed save may have used _failed's
+                logger.warning("replay buffer: could not reserve record numbers under %s (%r); numbers a kill "
+                               "loses may be given again after a restart (warned once)", self.root, e)
+                self._reserve_warned = True
+            return False
 
     def reset(self, pair: list[str] | None) -> None:
         """Remove every record (they belong to another pair) and name the pair the next ones belong to."""
@@ -231,23 +243,28 @@ class SpillWriter:
         self._dropped: set[tuple[str, int]] = set()  # (expert, seq) dropped while its save was queued
         self._warned = False
         self._closed = False  # close(): what is still queued is skipped
+        self._state = threading.Lock()  # _closed and the end marker against _put
         self._then = None  # close(then=...): called on this thread as it stops
         self._thread = threading.Thread(target=self._run, name="osd-replay-spill", daemon=True)
         self._thread.start()
 
     def _put(self, fn, *args) -> bool:
-        if self._closed:
-            return False
-        self._q.put((fn, args))
-        return True
+        with self._state:  # not after close()'s end marker: a put there is never done, and flush() would hang
+            if self._closed:
+                return False
+            self._q.put((fn, args))
+            return True
 
     def _run(self) -> None:
         while True:
             fn, args = self._q.get()
             try:
-                if fn is None:  # close(): the thread ends, and lets the caller know
-                    if self._then is not None:
-                        self._then()
+                if fn is None:  # close(): the thread ends, and lets the caller know (also if that raises)
+                    try:
+                        if self._then is not None:
+                            self._then()
+                    except Exception as e:  # noqa: BLE001
+                        logger.warning("replay buffer: closing %s: %r", self.disk.root, e)
                     return
                 if not self._closed:
                     fn(*args)
@@ -267,7 +284,11 @@ class SpillWriter:
                     self._warned = True
                 return False
             self._queued += rec.nbytes
-        return self._put(self._save, seq, expert, rec)
+        if self._put(self._save, seq, expert, rec):
+            return True
+        with self._lock:  # closed meanwhile
+            self._queued -= rec.nbytes
+        return False
 
     def _save(self, seq: int, expert: str, rec) -> None:
         try:
@@ -303,14 +324,17 @@ class SpillWriter:
         """Do the writes asked for so far, for up to ``timeout_s``, then skip the rest; ``then()`` is called as
         the thread stops, so after a write still under way at the timeout (a hung disk), never before: a replica
         lets its versions slot go there, and the next one to take it must not meet this one's writes landing.
-        Whether all were done. A second call changes nothing."""
+        Whether all were done. A second call changes nothing, and cannot take a ``then``: the thread may be gone."""
         if self._closed:
+            if then is not None:
+                raise RuntimeError("SpillWriter.close(then=...) on a writer already closed")
             return not self._thread.is_alive()
         done = threading.Event()
         self._put(done.set)
         ok = done.wait(timeout_s)
-        self._then, self._closed = then, True
-        self._q.put((None, ()))
+        with self._state:
+            self._then, self._closed = then, True
+            self._q.put((None, ()))
         self._thread.join(timeout=1.0 if ok else 0.0)  # at once, unless a write hangs
         if not ok:
             logger.warning("replay buffer: %d writes still queued for %s after %g s are dropped",
