@@ -249,3 +249,37 @@ def test_distiller_publishes_and_alpha_rises_and_wandb_holds_it(server, prefix):
             break
         time.sleep(2)
     assert any(run_name in b and f"alpha/{expert}".encode() in b for b in files)
+
+
+def test_a_killed_replica_comes_back_with_its_records(server):
+    """Colocated (distill.backend local): the replay buffer lived in the replica's process, and the replica
+    Serve started in place of a crashed one began empty. It takes the freed versions slot over, records too."""
+    base, _, _, tmp = server
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY)
+    for p in PROMPTS:  # an expert the other tests leave alone; every 4th request is a guard sample, always recorded
+        client.completions.create(model="osd-serve", prompt=p, max_tokens=8, temperature=0, extra_body={"expert": "code"})
+    answer = httpx.get(f"{base}/admin/experts", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30).json()
+    held, replica = answer["experts"]["code"]["buffer_records"], answer["replica"]
+    def on_disk() -> int:  # in the replica's slot (slot-0, unless Serve had replaced it before)
+        return max((len(list(d.glob("*.safetensors"))) for d in (tmp / "versions" / "osd" / "replicas").glob(
+            "slot-*/.replay/code")), default=0)
+
+    for _ in range(100):  # written in the background: what a kill -9 finds on disk
+        if on_disk() == held:
+            break
+        time.sleep(0.1)
+    assert held >= 2 and on_disk() == held
+    pids = subprocess.run(["pgrep", "-f", "ServeReplica:osd:SpecServer"], capture_output=True, text=True).stdout.split()
+    assert len(pids) == 1, pids
+    os.kill(int(pids[0]), 9)
+    deadline, seen = time.time() + 180, None
+    while time.time() < deadline:
+        try:
+            seen = httpx.get(f"{base}/admin/experts", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=10).json()
+            if seen.get("replica") not in (None, replica):
+                break
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(1)
+    assert seen and seen.get("replica") not in (None, replica), seen
+    assert seen["experts"]["code"]["buffer_records"] == held, seen["experts"]["code"]
