@@ -86,12 +86,7 @@ def test_restore_counts_only_records_after_the_last_finished_update_and_keeps_th
     for path in (tmp_path / "default").glob("00000000000[45]*"):  # records 4 and 5 were made 100 s ago
         st.save_file(st.load_file(str(path)), str(path), metadata={"wall": repr(time.time() - 100)})
     buffer = ReplayBuffer(BufferConfig(**CFG))
-
-    def made(s, created):  # what the buffer keeps of a record: here the record itself
-        s.record.created, s.record.seq = created, s.seq
-        return s.record
-
-    kept, next_seq = restore(spill, buffer, made)
+    kept, next_seq = restore(spill, buffer, sp.as_kept)  # the buffer keeps the records themselves
     shard = buffer.shard("default")
     assert (kept, next_seq, len(shard.records), shard.new_since_update, shard.seen) == (6, 6, 6, 2, 9)
     assert 99 < time.monotonic() - shard.oldest_new < 110  # its age, not the restart's: due by age at once

@@ -202,6 +202,12 @@ def count_new(shard, finished: int) -> None:
     shard.new_since_update, shard.oldest_new = len(new), min((r.created for r in new), default=None)
 
 
+def as_kept(s: Spilled, created: float) -> ReplayRecord:
+    """restore()'s make_ref for a buffer that keeps the records themselves (the local backend's)."""
+    s.record.created, s.record.seq = created, s.seq
+    return s.record
+
+
 def restore(spill: RecordSpill, buffer, make_ref, only: str | None = None) -> tuple[int, int]:
     """Read every expert's records back into ``buffer`` (a replay.ReplayBuffer), oldest first, through
     ``make_ref(spilled, created)``: what the buffer keeps of one (a record, or the Ray buffer's ref to it,
@@ -274,8 +280,6 @@ class SpillWriter:
                 self._q.task_done()
 
     def save(self, seq: int, expert: str, rec) -> bool:
-        if self._closed:
-            return False
         with self._lock:
             if self._queued + rec.nbytes > self.MAX_BACKLOG_BYTES:
                 if not self._warned:
@@ -393,11 +397,8 @@ class ReplicaSpill:
         """The expert's records read back into its buffer (whose on_drop is ``dropped``); how many were kept."""
         if not self.on:
             return 0
-        def make(s: Spilled, created: float) -> ReplayRecord:
-            s.record.created, s.record.seq = created, s.seq
-            return s.record
         try:
-            kept, next_seq = restore(self.writer.disk, buffer, make, only=expert)
+            kept, next_seq = restore(self.writer.disk, buffer, as_kept, only=expert)
         except Exception as e:  # noqa: BLE001  the files stay for the next replica; this one starts empty
             self._off(e)
             buffer.shards.pop(expert, None)
