@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import ray
@@ -19,6 +20,7 @@ from osd_serve.distill.spill import RecordSpill, SpillWriter, count_new, restore
 
 logger = logging.getLogger("ray.serve")
 SEQ_BLOCK = 4096  # record numbers reserved on disk at a time
+RIDS_KEPT = 1 << 16  # the newest records' ids known (~6 MB): a retried add() arrives within seconds of the first
 
 
 @dataclass
@@ -31,6 +33,7 @@ class RecordRef:
     heldout: bool = False  # a guard sample (ReplayRecord.heldout)
     created: float = field(default_factory=time.monotonic)
     seq: int = -1  # its number, set as it is kept: its file's name (spill.py), if the file was written
+    rid: str | None = None  # ReplayRecord.rid
 
 
 class _ReplayBufferActor:
@@ -58,6 +61,9 @@ class _ReplayBufferActor:
         self.incarnation = uuid.uuid4().hex
         self.restored = False  # records read back: seqs go on from the former process's
         self.first_seq = 0  # the first this process numbered: lower ones are its former process's
+        # ids (ReplayRecord.rid) of the newest records kept, read back ones included: Ray retries an add() whose
+        # process died mid-call (max_task_retries) on the restarted one, which may have read its file back
+        self.rids: OrderedDict[str, None] = OrderedDict()
         if self.spill:
             self._restore(cfg)
 
@@ -72,7 +78,9 @@ class _ReplayBufferActor:
             # may have raised buffer_mb since; evicting here would delete the files of records the current one keeps
             self.buffer = self._new_buffer({**cfg, "max_bytes": 1 << 62})
             kept, after = restore(disk, self.buffer, lambda s, created: RecordRef(
-                [ray.put(s.record)], s.record.nbytes, s.record.expert, s.record.heldout, created, s.seq))
+                [ray.put(s.record)], s.record.nbytes, s.record.expert, s.record.heldout, created, s.seq, s.record.rid))
+            for r in sorted((r for sh in self.buffer.shards.values() for r in sh.records), key=lambda r: r.seq):
+                self._known(r.rid)
             self.seq = self.reserved = max(self.seq, after)  # files of an older osd-serve reserved none
             held = max((sh.nbytes for sh in self.buffer.shards.values()), default=0)
             self.buffer.reconfigure(BufferConfig(**{**cfg, "max_bytes": max(cfg["max_bytes"], held)}))
@@ -82,7 +90,7 @@ class _ReplayBufferActor:
             # In memory only, the files left as they are: a passing error must not have them reset or overwritten
             logger.warning("replay buffer: reading records back from %s failed (%r); starting empty, and writing "
                            "no records there until the next restart", disk.root, e)
-            self.spill = None  # first: the new buffer's eviction hook reads it
+            self.spill, self.rids = None, OrderedDict()  # first: the new buffer's eviction hook reads it
             self.buffer, self.pair, self.spilled_pair, self.seq, self.reserved = self._new_buffer(cfg), None, None, 0, 0
         self.first_seq = self.seq
 
@@ -111,11 +119,15 @@ class _ReplayBufferActor:
     def add(self, expert: str, record, nbytes: int, pair: list[str] | None = None) -> bool:
         if self._another_pair(pair):
             return False  # from a replica of the pair before a redeploy, serving until the new ones are up
+        rid = getattr(record, "rid", None)  # None: a record pickled by an older osd-serve
+        if rid is not None and rid in self.rids:
+            return True  # a retry of an add() this buffer (or its former process) kept: kept once
         # Put here, not by the sender: the object's owner is the process that put it, and the
         # buffer must own its records, or a replica that goes away would take its records along.
-        ref = RecordRef([ray.put(record)], nbytes, expert, getattr(record, "heldout", False))
+        ref = RecordRef([ray.put(record)], nbytes, expert, getattr(record, "heldout", False), rid=rid)
         if not self.buffer.add(ref):
             return False
+        self._known(rid)
         ref.seq = self.seq  # its file's name, if it gets one (a disk can refuse it)
         self.seq += 1
         if self.spill and self.spilled_pair is not None:
@@ -123,6 +135,12 @@ class _ReplayBufferActor:
                 self.reserved = ref.seq + SEQ_BLOCK
             self.spill.save(ref.seq, expert, record)
         return True
+
+    def _known(self, rid: str | None) -> None:
+        if rid is not None:
+            self.rids[rid] = None
+            if len(self.rids) > RIDS_KEPT:
+                self.rids.popitem(last=False)
 
     def due(self, cfg: dict | None = None, pair: list[str] | None = None) -> dict[str, str]:
         """cfg, pair: the application's current ones (the controller's saved settings). A restart re-ran

@@ -13,6 +13,7 @@ import torch
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.train")
 
+from deployments.replay_actor import _ReplayBufferActor  # noqa: E402
 from deployments.distiller import BUFFER_NAME, NAMESPACE, DistillController, ReplayBufferActor, idle_per_node, plan_workers  # noqa: E402
 from osd_serve.distill.guard import GuardConfig, evaluate, split_for_guard  # noqa: E402
 from osd_serve.distill.versions import VersionStore  # noqa: E402
@@ -268,6 +269,39 @@ def test_a_killed_buffer_comes_back_with_its_records(cluster, data, tmp_path):
         got = ray.get(refs, timeout=60)
         assert [g.response_ids.tolist() for g in got] == [r.response_ids.tolist() for r in kept]
         assert all(torch.equal(g.probs, r.probs) for g, r in zip(got, kept)) and flags == [False] * 5 + [True] * 2
+    finally:
+        ray.kill(buf)
+
+
+@ray.remote(num_cpus=0)
+class _SlowAdd(_ReplayBufferActor):
+    """The first process's add() returns 60 s after its record's file is written: a kill then is a kill mid-call."""
+
+    def add(self, *args):
+        kept = super().add(*args)
+        self.flush()
+        if not self.restored:  # the restarted process read the file back: its retry returns at once
+            time.sleep(60)
+        return kept
+
+
+def test_an_add_in_flight_when_the_buffer_dies_is_retried_and_kept_once(cluster, data, tmp_path):
+    """Ray resubmits the call to the restarted process (max_task_retries), which has read the first call's
+    file back: before ReplayRecord.rid it kept the record twice, trained on and counted toward the trigger twice."""
+    _, _, train, _, _ = data
+    cfg, pair, root = {"max_bytes": 1 << 30, "trigger_records": 100, "trigger_age_s": 3600}, ["t", "d"], tmp_path / ".replay"
+    buf = _SlowAdd.options(max_restarts=-1, max_task_retries=3).remote(cfg, str(root))
+    try:
+        ray.get(buf.configure.remote(cfg, pair))
+        pending = buf.add.remote("default", train[0], train[0].nbytes, pair)
+        deadline = time.time() + 60
+        while time.time() < deadline and not list(root.glob("default/*.safetensors")):
+            time.sleep(0.05)
+        ray.kill(buf, no_restart=False)
+        assert ray.get(pending, timeout=120) is True  # answered by the restarted process
+        st = ray.get(buf.stats.remote(), timeout=60)["default"]
+        assert (st["records"], st["seen"], st["new"]) == (1, 1, 1)
+        assert len(list(root.glob("default/*.safetensors"))) == 1
     finally:
         ray.kill(buf)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import random
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -39,6 +40,9 @@ class ReplayRecord:
     # trained on it (guard.retire_guard_samples).
     heldout: bool = False
     seq: int = -1  # its file's number (spill.py), once a buffer that keeps files has kept it
+    # Who it is, made with it and saved in its file: Ray retries an add() whose actor died mid-call, and the
+    # restarted buffer, which read the first call's file back, must know the record again (replay_actor.py)
+    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     @property
     def nbytes(self) -> int:

@@ -5,7 +5,7 @@ buffer's byte bound they are up to ``buffer_mb`` of it per expert.
 Layout under ``root`` (the application's ``versions_dir/<app>/.replay``; no expert name starts with a dot):
     .pair.json                         ["target", "draft"]: the pair whose token ids and distributions these are
     <expert>/state.json                {"finished": the newest seq a finished update took, "seen": records offered}
-    <expert>/000000000042.safetensors  one record: its tensors, and its wall-clock creation time as metadata
+    <expert>/000000000042.safetensors  one record: its tensors; its wall-clock creation time and rid as metadata
     <expert>/000000000043.g.safetensors  one guard sample (ReplayRecord.heldout); renamed without ".g" once retired
 
 A record is one file, written under a temporary name and renamed into place: a killed process leaves the
@@ -124,7 +124,7 @@ class RecordSpill:
         try:
             tensors = {k: t.contiguous() for k in _FIELDS if (t := getattr(rec, k)) is not None}
             path.parent.mkdir(parents=True, exist_ok=True)
-            save_file(tensors, str(tmp), metadata={"wall": repr(time.time())})
+            save_file(tensors, str(tmp), metadata={"wall": repr(time.time()), "rid": getattr(rec, "rid", "")})
             os.replace(tmp, path)
             return True
         except Exception as e:  # noqa: BLE001  a full disk, or a record of an unexpected shape: never fail add()
@@ -185,9 +185,11 @@ class RecordSpill:
                 seq = int(stem[: -len(_GUARD)] if heldout else stem)
                 with safe_open(str(path), "pt") as f:
                     t = {k: f.get_tensor(k) for k in f.keys()}
-                    wall = float(f.metadata()["wall"])
+                    meta = f.metadata()
+                wall = float(meta["wall"])
                 rec = ReplayRecord(*(t[k] for k in _FIELDS[:4]), t.get("topk_ids"), t.get("rest_mass"), expert,
                                    heldout=heldout)
+                rec.rid = meta.get("rid") or rec.rid  # an older osd-serve's file has none: a fresh one
                 out.append(Spilled(seq, rec, wall))
             except (ValueError, KeyError, TypeError, SafetensorError) as e:  # not an OSError: that may pass
                 logger.warning("replay buffer: %s is not a readable record (%r); removed", path, e)
