@@ -1,10 +1,10 @@
 """Distillation across the cluster, one per Serve application: a replay buffer actor over Ray's object
-store, and a controller that runs Ray Train jobs on capacity serving leaves idle, guards them, and
-publishes draft versions.
+store, and a controller that runs Ray Train jobs on capacity serving leaves idle (their rank-0 worker
+guards the candidate there) and publishes draft versions.
 
     SpecServer replicas (colocated) or Verifier replicas (disaggregated)
         --record--> ReplayBufferActor: ray.put into the object store; keeps refs + sizes
-    DistillController: buffer due? + spare capacity? -> TorchTrainer(N workers) -> guard -> VersionStore
+    DistillController: buffer due? + spare capacity? -> TorchTrainer(N workers; rank 0 guards) -> VersionStore
     SpecServer / DraftPool replicas poll the VersionStore and hot-swap (osd_serve/distill/versions.py:VersionWatcher)
 
 The buffer actor (records in the object store, and as files a restart reads back) is
@@ -15,6 +15,7 @@ deployments/train_job.py.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -251,9 +252,8 @@ class _DistillController:
         return event
 
     def _job(self, expert: str, why: str, plan: dict, refs: list, flags: list[bool], window: tuple = ()) -> dict:
-        from osd_serve.distill.guard import GuardConfig, check, split_for_guard
+        from osd_serve.distill.guard import GuardConfig, split_for_guard
         from osd_serve.distill.versions import VersionStore, draft_fingerprint
-        from transformers import AutoModelForCausalLM
 
         t0 = time.time()
         cfg = self.settings
@@ -267,32 +267,31 @@ class _DistillController:
         # At most one worker per training record: a worker with none would skip the gradient
         # all-reduce the others wait in (a deadlock until the collective times out).
         plan = {**plan, "num_workers": min(plan["num_workers"], len(train_refs))}
-        serving = AutoModelForCausalLM.from_pretrained(draft_path)
         if store.refresh() is None:
             # Normally a replica published version 0 when it loaded the expert. Before one has (an expert whose
             # traffic never drafted), this is the base draft, marked as such: an expert with a LoRA adapter
             # serves base + adapter, so its replica clears these versions instead of serving the base's.
             # Only if still empty: a replica publishing meanwhile wins.
-            initial = {n: t.clone() for n, t in serving.state_dict().items()}
+            from transformers import AutoModelForCausalLM
+
+            initial = {n: t.clone() for n, t in AutoModelForCausalLM.from_pretrained(draft_path).state_dict().items()}
             store.publish(initial, {"reason": "initial draft"}, expect_current=None, draft=draft_fingerprint(initial))
             store.refresh()
         base, base_draft = store.current, store.manifest.get("draft")  # the version this job trains from, of which draft
-        serving.load_state_dict(store.load(base), strict=False)
         state_path = str(store.path(base) / "draft.safetensors")
+        # Guarded by the job's rank 0 (train_job.guard_candidate), on the capacity planned for it: the guard
+        # loads two drafts and runs their forwards, which here competed with serving for memory and CPUs
         state, metrics = run_train_job(plan, train_refs, draft_path, state_path, cfg["train_cfg"], cfg["steps"],
-                                       str(versions_dir / "ray_train"))
+                                       str(versions_dir / "ray_train"), held_refs, dataclasses.asdict(guard_cfg))
         if metrics.get("time_limited"):
             logger.warning("distill controller: %s: the job stopped at its time limit after %s steps", expert,
                            metrics.get("steps"))
-        candidate = AutoModelForCausalLM.from_pretrained(draft_path)
-        candidate.load_state_dict(state, strict=False)
-        vocab = serving.get_output_embeddings().weight.shape[0]
-        verdict = check(candidate, serving, ray.get(held_refs), vocab, guard_cfg, candidate_state=state,
-                        steps_taken=metrics.get("steps"))
-        version, reason = None, verdict.reason
-        if verdict.publish:  # only over the version it was trained from: a rollback meanwhile wins
-            version = store.publish(state, {"trigger": why, "plan": plan, "candidate": verdict.candidate,
-                                            "serving": verdict.serving}, expect_current=base, expect_draft=base_draft)
+        verdict = metrics.get("verdict") or {"publish": False, "reason": "the job returned no guard verdict",
+                                             "candidate": {}, "serving": {}}
+        version, reason = None, verdict["reason"]
+        if verdict["publish"]:  # only over the version it was trained from: a rollback meanwhile wins
+            version = store.publish(state, {"trigger": why, "plan": plan, "candidate": verdict["candidate"],
+                                            "serving": verdict["serving"]}, expect_current=base, expect_draft=base_draft)
             reason = reason if version is not None else f"version {base} is no longer current (rolled back or replaced)"
             if version is not None:  # refs in a list: Ray passes them through unresolved
                 trained = [i for i in split[0] if flags[i]]
@@ -305,7 +304,8 @@ class _DistillController:
                     logger.warning("distill controller: %s: version %s published, retiring its guard samples failed: %r",
                                    expert, version, e)
         return {"expert": expert, "trigger": why, "plan": plan, "published": version is not None, "reason": reason,
-                "version": version, "candidate": verdict.candidate, "serving": verdict.serving, "time": t0,
+                "version": version, "candidate": verdict["candidate"], "serving": verdict["serving"],
+                "guarded_on": verdict.get("device"), "time": t0,
                 "steps": metrics.get("steps"), "time_limited": metrics.get("time_limited"), "loss_first": metrics.get("loss_first"), "loss_last": metrics.get("loss_last"),
                 "seconds": time.time() - t0}
 
@@ -366,7 +366,7 @@ def connect(cfg, app: str | None = None) -> tuple:
     # versions_dir itself, as SpecServer's and DraftPool's (deployments.config.versions_root)
     versions = versions_root(cfg, app)
     buffer_name, controller_name = actor_names(app or "default")  # outside a replica: the default application's
-    # Restarted if they die (an OOM kill of the controller's guard loads): replicas keep their handles, and
+    # Restarted if they die (an OOM kill, a lost node): replicas keep their handles, and
     # fire-and-forget records and heartbeats to a dead actor were lost without a word. The controller reads its
     # last settings back; the buffer its records (replay_actor.py), and the settings at the controller's next poll.
     opts = {"namespace": NAMESPACE, "get_if_exists": True, "lifetime": "detached", "max_restarts": -1}

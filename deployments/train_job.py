@@ -158,11 +158,35 @@ def train_loop_per_worker(config: dict) -> None:
     metrics = {"steps": len(losses), "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
                "time_limited": trainer.time_limited}
     if rank == 0:
+        state = trainer.serving_state()
+        del trainer  # the student and its optimizer: the guard's candidate takes their memory
+        if config.get("guard") is not None:
+            held = ray.get(config["held_refs"])
+            metrics["verdict"] = guard_candidate(draft, state, held, config["guard"], metrics["steps"])
         with tempfile.TemporaryDirectory() as d:
-            save_file({n: t.cpu() for n, t in trainer.serving_state().items()}, os.path.join(d, "draft.safetensors"))
+            save_file({n: t.cpu() for n, t in state.items()}, os.path.join(d, "draft.safetensors"))
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))
     else:
         ray.train.report(metrics)
+
+
+def guard_candidate(serving, state: dict, held: list, guard: dict, steps: int) -> dict:
+    """The publish guard (osd_serve/distill/guard.py), run by rank 0 on the job's device: the candidate
+    against ``serving`` (the draft the job started from, which the trainer never changes: it trains a copy).
+    Here, not in the controller, which loaded the draft twice and scored both on the CPU serving uses.
+    held: the guard samples (ReplayRecords). Returns the verdict as data (guard.Verdict's fields and the
+    device), for the job's metrics."""
+    import copy
+
+    from osd_serve.distill.guard import GuardConfig, check
+
+    candidate = copy.deepcopy(serving)
+    candidate.load_state_dict(state, strict=False)
+    vocab = serving.get_output_embeddings().weight.shape[0]
+    verdict = check(candidate, serving, held, vocab, GuardConfig(**guard), candidate_state=state,
+                    steps_taken=steps)
+    return {"publish": verdict.publish, "reason": verdict.reason, "candidate": verdict.candidate,
+            "serving": verdict.serving, "device": str(next(serving.parameters()).device)}
 
 
 def _fail_fast(failure_config):
@@ -173,9 +197,10 @@ def _fail_fast(failure_config):
 
 
 def run_train_job(plan: dict, record_refs: list, draft_path: str, state_path: str, train_cfg: dict, steps: int,
-                  storage: str) -> tuple[dict, dict]:
+                  storage: str, held_refs: list | None = None, guard: dict | None = None) -> tuple[dict, dict]:
     """One Ray Train TorchTrainer run; returns the trained serving state (names of the draft) and rank
-    0's metrics (steps taken, first and last loss)."""
+    0's metrics (steps taken, first and last loss). guard: GuardConfig's fields, and held_refs the guard
+    samples it scores on: rank 0 guards the candidate (guard_candidate), its verdict in metrics["verdict"]."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
     from safetensors.torch import load_file
@@ -183,7 +208,8 @@ def run_train_job(plan: dict, record_refs: list, draft_path: str, state_path: st
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"record_refs": record_refs, "draft_path": draft_path, "state_path": state_path,
-                           "train": train_cfg, "steps": steps, "use_gpu": plan["use_gpu"]},
+                           "train": train_cfg, "steps": steps, "use_gpu": plan["use_gpu"],
+                           "held_refs": held_refs, "guard": guard},
         # A collective that waits this long (a worker hung, or gone without Ray noticing) fails the job:
         # torch's default is 30 minutes, in which the controller trains nothing else. A floor: a short
         # limit failed every job of a healthy multi-worker group.

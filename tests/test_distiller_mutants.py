@@ -114,24 +114,21 @@ def draft_dir(tmp_path_factory):
 
 
 def _controller(plain_ray, monkeypatch, tmp_path, draft_dir, verdict=True, during=None, **kw):
-    """A DistillController over a saved tiny draft, Ray Train and the guard replaced: a "trained" state is
+    """A DistillController over a saved tiny draft, Ray Train (and its rank 0's guard) replaced: a "trained" state is
     its base + 0.01, the guard says `verdict`, during() runs mid-job. Returns (controller, Train calls, guard calls)."""
-    import osd_serve.distill.guard as guard
     from safetensors.torch import load_file
 
     trains, checks = [], []
 
-    def train(plan, refs, draft_path, state_path, train_cfg, steps, storage):
+    def train(plan, refs, draft_path, state_path, train_cfg, steps, storage, held=None, guard=None):
         trains.append(SimpleNamespace(plan=plan, refs=refs, draft_path=draft_path, train_cfg=train_cfg, steps=steps, storage=storage))
         during and during()
-        return {n: t + 0.01 for n, t in load_file(state_path).items()}, {"steps": steps, "loss_first": 2.0, "loss_last": 1.0}
-
-    def check(candidate, serving, held, vocab, cfg, candidate_state=None, steps_taken=None):
-        checks.append(SimpleNamespace(held=held, vocab=vocab, steps=steps_taken))
-        return guard.Verdict(verdict, "guard's reason", {"expected_acceptance": 0.6}, {"expected_acceptance": 0.5})
+        checks.append(SimpleNamespace(held=held, guard=guard))
+        return {n: t + 0.01 for n, t in load_file(state_path).items()}, {"steps": steps, "loss_first": 2.0, "loss_last": 1.0,
+                "verdict": {"publish": verdict, "reason": "guard's reason", "candidate": {"expected_acceptance": 0.6},
+                            "serving": {"expected_acceptance": 0.5}, "device": "cpu"}}
 
     monkeypatch.setattr(dist, "run_train_job", train)
-    monkeypatch.setattr(guard, "check", check)
     monkeypatch.setattr(dist, "idle_per_node", lambda: [{"GPU": 16.0}])
     kw = {"max_workers": 16, "heldout": 2, **kw}
     ctrl = _cls(dist.DistillController)(draft_dir, str(tmp_path / "versions"), {"mode": "full"}, 3, poll_s=3600, **kw)
@@ -157,6 +154,7 @@ def test_a_job_trains_on_what_the_guard_does_not_hold_out_and_publishes(plain_ra
     ctrl._stop = _polls(1)
     ctrl._loop(0)
     assert len(checks[0].held) == 2 and len(trains[0].refs) == 10 and trains[0].plan["num_workers"] == 10
+    assert checks[0].guard["max_heldout"] == 2 and ctrl.history()[0]["guarded_on"] == "cpu"  # the job's rank 0 guarded
     assert (trains[0].draft_path, trains[0].train_cfg, trains[0].steps) == (draft_dir, {"mode": "full"}, 3)
     assert trains[0].storage == str(tmp_path / "versions" / "ray_train")
     assert states == ["training default on {'num_workers': 16, 'use_gpu': True}"] and ctrl.status()["state"] == "idle"
@@ -489,12 +487,12 @@ def test_a_published_job_whose_retire_fails_is_not_trained_again(plain_ray, monk
 def test_a_job_cut_at_its_time_limit_is_in_its_event_and_the_log(plain_ray, monkeypatch, tmp_path, draft_dir, caplog):
     ctrl, trains, checks = _controller(plain_ray, monkeypatch, tmp_path, draft_dir)
     ran = dist.run_train_job
-    monkeypatch.setattr(dist, "run_train_job", lambda *a: (ran(*a)[0], {"steps": 2, "time_limited": True}))
+    monkeypatch.setattr(dist, "run_train_job", lambda *a: (r := ran(*a), (r[0], {**r[1], "steps": 2, "time_limited": True}))[1])
     _fill(plain_ray, 12, heldout=4)
     dist.logger.addHandler(caplog.handler)  # Ray's "ray.serve" logger does not propagate to the root's
     try:
         event = ctrl._update("default", "size", {"num_workers": 1, "use_gpu": False})
     finally:
         dist.logger.removeHandler(caplog.handler)
-    assert event["time_limited"] is True and event["steps"] == 2 and checks[0].steps == 2 and event["published"]
+    assert event["time_limited"] is True and event["steps"] == 2 and event["published"]
     assert "default: the job stopped at its time limit after 2 steps" in caplog.text

@@ -198,6 +198,7 @@ def test_controller_trains_guards_and_publishes(cluster, gpus_busy, data, tmp_pa
     assert ev["steps"] > 0 and all(math.isfinite(ev[k]) for k in ("loss_first", "loss_last")), ev
     assert ev["steps"] == 40 and ev["time_limited"] is False, ev  # every step, within the limit
     assert ev["serving"]["expected_acceptance"] == pytest.approx(scores[1], abs=1e-5)  # guarded against version 1
+    assert ev["guarded_on"] == "cpu"  # by the job's rank-0 worker, on its device (the controller loads no draft)
     # the Train job (2 CPU workers, gradients all-reduced) raised held-out alpha-hat over the serving draft
     assert store.refresh() == 2 and ev["candidate"]["expected_acceptance"] > ev["serving"]["expected_acceptance"] + 0.02
     assert torch.is_tensor(next(iter(store.load(2).values())))
