@@ -20,7 +20,7 @@ from osd_serve.distill.spill import RecordSpill, SpillWriter, count_new, restore
 
 logger = logging.getLogger("ray.serve")
 SEQ_BLOCK = 4096  # record numbers reserved on disk at a time
-RIDS_KEPT = 1 << 16  # the newest records' ids known (~6 MB): a retried add() arrives within seconds of the first
+RIDS_KEPT = 1 << 16  # the newest records' ids known (~10 MB): a retried add() arrives within seconds of the first
 
 
 @dataclass
@@ -103,7 +103,7 @@ class _ReplayBufferActor:
         redeploy onto another pair empties the buffer, and its files."""
         if self._another_pair(pair):
             logger.warning("replay buffer: the pair changed from %s to %s; its records are dropped", self.pair, pair)
-            self.buffer, self.taken, self.marks = self._new_buffer(cfg), {}, {}
+            self.buffer, self.taken, self.marks, self.rids = self._new_buffer(cfg), {}, {}, OrderedDict()
         else:
             self.buffer.reconfigure(BufferConfig(**cfg))
         self.pair = pair if pair is not None else self.pair

@@ -158,13 +158,17 @@ def train_loop_per_worker(config: dict) -> None:
     metrics = {"steps": len(losses), "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
                "time_limited": trainer.time_limited}
     if rank == 0:
-        state = trainer.serving_state()
+        state = {n: t.cpu() for n, t in trainer.serving_state().items()}
         del trainer  # the student and its optimizer: the guard's candidate takes their memory
         if config.get("guard") is not None:
-            held = ray.get(config["held_refs"])
-            metrics["verdict"] = guard_candidate(draft, state, held, config["guard"], metrics["steps"])
+            try:
+                held = ray.get(config["held_refs"])
+                metrics["verdict"] = guard_candidate(draft, state, held, config["guard"], metrics["steps"])
+            except Exception as e:  # noqa: BLE001  (out of memory): refused and said, not a failed job retrained every back-off
+                metrics["verdict"] = {"publish": False, "reason": f"the guard failed: {e!r}", "candidate": {}, "serving": {},
+                                      "device": str(device)}
         with tempfile.TemporaryDirectory() as d:
-            save_file({n: t.cpu() for n, t in state.items()}, os.path.join(d, "draft.safetensors"))
+            save_file(state, os.path.join(d, "draft.safetensors"))
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))
     else:
         ray.train.report(metrics)

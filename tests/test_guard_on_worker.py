@@ -63,3 +63,51 @@ def test_the_controller_loads_no_draft_for_a_job(plain_ray, monkeypatch, tmp_pat
         event = ctrl._update("default", "size", {"num_workers": 1, "use_gpu": False})
         assert event["published"] and event["guarded_on"] == "cpu" and len(checks[job].held) == 2
         assert len(loads) == 1  # version 0's; before, two more per job (the serving draft and the candidate)
+
+
+def _run_worker(monkeypatch, tmp_path, serving, train, held, steps: int) -> tuple[dict, dict]:
+    """train_job.train_loop_per_worker as rank 0 of 1, ray.train's context and report stubbed (no cluster):
+    returns the metrics it reported and the state its checkpoint holds."""
+    import ray
+    import ray.train
+    import ray.train.torch  # noqa: F401  imported before Checkpoint is stubbed: its annotations name it
+    from safetensors.torch import load_file, save_file
+    from types import SimpleNamespace
+
+    from deployments.train_job import train_loop_per_worker
+
+    serving.save_pretrained(tmp_path / "draft")
+    save_file({n: t.clone() for n, t in serving.state_dict().items()}, str(tmp_path / "base.safetensors"))
+    reported = []
+    monkeypatch.setattr(ray, "get", lambda refs: list(refs))  # the refs are the records themselves here
+    monkeypatch.setattr(ray.train, "get_context", lambda: SimpleNamespace(get_world_rank=lambda: 0, get_world_size=lambda: 1))
+    monkeypatch.setattr(ray.train, "Checkpoint", SimpleNamespace(from_directory=lambda d: d))
+    monkeypatch.setattr(ray.train, "report", lambda m, checkpoint=None: reported.append((m, load_file(f"{checkpoint}/draft.safetensors"))))
+    train_loop_per_worker({"record_refs": train, "draft_path": str(tmp_path / "draft"), "state_path": str(tmp_path / "base.safetensors"),
+                           "train": {"lr": 3e-3}, "steps": steps, "use_gpu": False, "held_refs": held, "guard": GUARD})
+    [(metrics, state)] = reported
+    return metrics, state
+
+
+def test_rank_0_guards_the_state_it_checkpoints_after_the_steps_it_took(pair, tok, tmp_path, monkeypatch):
+    import copy
+
+    from osd_serve.distill.guard import evaluate
+
+    target, serving, held = pair
+    train, _ = _records(target, serving, tok, _prompts(len(tok), 16, 4))
+    metrics, state = _run_worker(monkeypatch, tmp_path, serving, train, held, steps=4)
+    verdict, vocab = metrics["verdict"], len(tok)
+    assert metrics["steps"] == 4 and verdict["device"] == "cpu"
+    candidate = copy.deepcopy(serving)
+    candidate.load_state_dict(state)
+    # the guard scored the checkpointed state, against the draft the job started from
+    assert verdict["candidate"]["expected_acceptance"] == pytest.approx(evaluate(candidate, held, vocab)["expected_acceptance"], abs=1e-6)
+    assert verdict["serving"]["expected_acceptance"] == pytest.approx(evaluate(serving, held, vocab)["expected_acceptance"], abs=1e-6)
+    # every gradient non-finite: the steps asked for (4) were all skipped, and the guard is told 0
+    nan = [copy.copy(r) for r in train]
+    for r in nan:
+        r.probs = torch.full_like(r.probs, math.nan)
+    untrained, _ = _run_worker(monkeypatch, tmp_path / "none", serving, nan, held, steps=4)
+    assert untrained["steps"] == 0 and not untrained["verdict"]["publish"]  # the steps it took, not those asked for
+    assert untrained["verdict"]["reason"].startswith("no training step taken")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import safetensors.torch as st
 
 from osd_serve.distill.spill import RecordSpill
-from tests.test_replay_spill import PAIR, _record, _restarted, _started, actor_cls  # noqa: F401  (a fixture)
+from tests.test_replay_spill import CFG, PAIR, _record, _restarted, _started, actor_cls  # noqa: F401  (a fixture)
 
 
 def _shard(b, expert="default"):
@@ -73,3 +73,15 @@ def test_the_id_is_saved_and_an_older_file_reads_back_with_one_of_its_own(tmp_pa
     back = [s.record.rid for s in spill.load("default")]
     assert back[0] == recs[0].rid
     assert len(set(back)) == 3 and all(len(r) == 32 for r in back) and not {recs[1].rid, recs[2].rid} & set(back)
+
+
+def test_a_refused_record_or_another_pairs_is_not_known(actor_cls, tmp_path):  # noqa: F811
+    """Only a kept record's id is known: a retry of one the buffer refused, or dropped with its pair, is kept."""
+    b = _started(actor_cls, tmp_path)
+    big, rec = _record(0), _record(1)
+    assert not b.add("default", big, 2 << 20, PAIR)  # over the shard's whole bound: refused
+    assert b.add("default", big, 999, PAIR) and b.add("default", rec, 999, PAIR)
+    b.configure(CFG, ["another", "pair"])  # a redeploy onto another pair empties the buffer
+    assert not _shard(b).records and not b.rids
+    assert b.add("default", rec, 999, None)  # an older replica's, sending no pair: kept, not answered from memory
+    assert [r.rid for r in _shard(b).records] == [rec.rid]

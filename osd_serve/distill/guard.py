@@ -76,13 +76,16 @@ def evaluate(model, records: list[ReplayRecord], vocab: int, batch: int = 16) ->
         ids, mask = pad_right([torch.cat([r.prompt_ids, r.response_ids]) for r in recs])
         mask = mask.long()
         dev = next(model.parameters()).device
-        logits = model(input_ids=ids.clamp(max=max_input_id(model)).to(dev), attention_mask=mask.to(dev)).logits.float().cpu()  # [B, L, V']
+        logits = model(input_ids=ids.clamp(max=max_input_id(model)).to(dev), attention_mask=mask.to(dev)).logits  # [B, L, V']
         for j, r in enumerate(recs):
             p = r.dense_probs(vocab)  # [n, V]
             # A draft with a smaller embedding never proposes the ids it lacks: no overlap there. One
             # with a larger (padded) embedding proposes only the target's ids, as serving cuts its logits.
             w = min(vocab, logits.shape[-1], p.shape[-1])
-            q = torch.softmax(logits[j, len(r.prompt_ids) - 1 + r.positions, :w], -1)  # [n, w]
+            # the kept positions only, then float32: the whole [B, L, V'] in float32 on a training GPU (the Ray
+            # job's rank 0 guards there) is 10 GB for 16 records of 1k tokens over a 152k vocabulary
+            at = (len(r.prompt_ids) - 1 + r.positions).to(logits.device)
+            q = torch.softmax(logits[j, at, :w].float().cpu(), -1)  # [n, w]
             overlap += float(torch.minimum(p[:, :w], q).sum())
             agree += int((q.argmax(-1) == p.argmax(-1)).sum())
             n += len(r.positions)

@@ -124,7 +124,7 @@ class RecordSpill:
         try:
             tensors = {k: t.contiguous() for k in _FIELDS if (t := getattr(rec, k)) is not None}
             path.parent.mkdir(parents=True, exist_ok=True)
-            save_file(tensors, str(tmp), metadata={"wall": repr(time.time()), "rid": getattr(rec, "rid", "")})
+            save_file(tensors, str(tmp), metadata={"wall": repr(time.time()), "rid": getattr(rec, "rid", None) or ""})
             os.replace(tmp, path)
             return True
         except Exception as e:  # noqa: BLE001  a full disk, or a record of an unexpected shape: never fail add()
