@@ -111,3 +111,17 @@ def test_rank_0_guards_the_state_it_checkpoints_after_the_steps_it_took(pair, to
     untrained, _ = _run_worker(monkeypatch, tmp_path / "none", serving, nan, held, steps=4)
     assert untrained["steps"] == 0 and not untrained["verdict"]["publish"]  # the steps it took, not those asked for
     assert untrained["verdict"]["reason"].startswith("no training step taken")
+
+
+def test_a_guard_that_raises_refuses_with_its_error(pair, tok, tmp_path, monkeypatch):
+    """Failed, the job was retrained at every back-off: an out-of-memory guard failed every one for good."""
+    import deployments.train_job as tj
+
+    def oom(*a, **k):
+        raise RuntimeError("CUDA out of memory")
+
+    target, serving, held = pair
+    monkeypatch.setattr(tj, "guard_candidate", oom)
+    train, _ = _records(target, serving, tok, _prompts(len(tok), 4, 5))
+    metrics, state = _run_worker(monkeypatch, tmp_path, serving, train, held, steps=1)
+    assert not metrics["verdict"]["publish"] and "CUDA out of memory" in metrics["verdict"]["reason"] and state
