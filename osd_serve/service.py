@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import os
 import time
 from collections.abc import AsyncIterator
@@ -16,6 +17,7 @@ from .distill.guard import GuardConfig
 from .distill.online import OnlineDistiller
 from .distill.recorder import RecordConfig, Recorder
 from .distill.replay import BufferConfig, ReplayBuffer
+from .distill.siblings import newest_sibling
 from .distill.spill import ReplicaSpill, pair_of
 from .distill.trainer import DistillTrainer, TrainConfig
 from .distill.versions import VersionStore, VersionWatcher, claim_slot, draft_fingerprint
@@ -103,7 +105,7 @@ class SpecService:
         if d.enabled and record_sink is not None:
             self._watch_versions(self.versions_dir, record_sink, RecordConfig(keep=d.keep, topk=d.record_topk))
         elif d.enabled:
-            root, files = self.versions_dir / replica_tag, None
+            root, files, inherit = self.versions_dir / replica_tag, None, lambda name: None
             if private_versions:  # the slot's lock makes its files this replica's alone, records as versions
                 root, self._slot = claim_slot(root.parent / "replicas")
                 # The target's weights too: records are its distributions, and new weights at the same path (a
@@ -111,6 +113,8 @@ class SpecService:
                 pair = [*pair_of(cfg), draft_fingerprint(self.target.state_dict())]
                 self.spill = files = ReplicaSpill(root / ".replay", pair)
                 files.keep_only(list(self.server.engines))
+                # A fresh slot (a rolling redeploy, a scale-up) starts from what the sibling replicas learned
+                inherit = lambda name: functools.partial(newest_sibling, root, name, pair=pair)  # noqa: E731
             for name, eng in self.server.engines.items():
                 train = TrainConfig(mode=d.mode, lr=d.lr, steps_per_update=d.steps_per_update,
                                     time_limit_s=d.train_time_limit_s)
@@ -120,7 +124,7 @@ class SpecService:
                 if files is not None:
                     files.restore(name, buf)
                 dist = OnlineDistiller(eng, trainer, buf, VersionStore(root / name, d.keep_versions), GuardConfig(),
-                                       RecordConfig(keep=d.keep, topk=d.record_topk), files=files)
+                                       RecordConfig(keep=d.keep, topk=d.record_topk), files=files, inherit=inherit(name))
                 dist.on_update = self._update_hook(name)
                 dist.start()
                 self.distillers[name] = dist

@@ -19,6 +19,7 @@ from .guard import GuardConfig, check, retire_guard_samples, split_for_guard
 from .recorder import Recorder, RecordConfig
 from .replay import Backoff, ReplayBuffer
 from .trainer import DistillTrainer
+from .siblings import learned_at
 from .versions import VersionStore, draft_fingerprint
 
 logger = logging.getLogger(__name__)
@@ -44,9 +45,12 @@ class OnlineDistiller:
     MAX_UPDATES_KEPT = 1000
 
     def __init__(self, engine, trainer: DistillTrainer, buffer: ReplayBuffer, store: VersionStore,
-                 guard: GuardConfig | None = None, record: RecordConfig | None = None, on_trace=None, files=None):
+                 guard: GuardConfig | None = None, record: RecordConfig | None = None, on_trace=None, files=None,
+                 inherit=None):
         """files: a spill.ReplicaSpill the buffer's records are also written to (its on_drop removes them), so
-        that a replica restarted on the same slot resumes with them."""
+        that a replica restarted on the same slot resumes with them. inherit(draft fingerprint, learned_at(store))
+        -> (state, meta) or None: a version learned later than the store's current, published over it as the one to
+        start from (siblings.newest_sibling: another replica's)."""
         self.engine, self.trainer, self.buffer, self.store = engine, trainer, buffer, store
         self.files = files
         self.guard = guard or GuardConfig()
@@ -73,10 +77,14 @@ class OnlineDistiller:
             if store.clear(unless_draft=base):  # under the store's lock: unless it holds this draft's by now
                 logger.warning("versions under %s belonged to another draft (or this one loaded in float16, whose "
                                "rounding differs); starting from version 0", store.root)
-        if store.current is None:  # version 0: the draft we started from, so rollback can reach it
+        fresh = store.current is None
+        if fresh:  # version 0: the draft we started from, so rollback can reach it
             store.publish(trainer.serving_state(), {"reason": "initial draft"}, draft=base)
             self._adapter_base = store.current
-        else:  # a store this draft was distilled into before (a restart): serve and train on from its current version
+        if inherit is not None and (found := inherit(base, learned_at(store))) is not None:  # a sibling's newer one
+            if store.publish(*found, expect_current=store.current, expect_draft=base) is not None:
+                fresh = False
+        if not fresh:  # a store this draft was distilled into before (a restart), or inherited: on from its current version
             state = store.load(store.current)
             engine.swap_draft(state, store.current)  # refuses a store of another draft's shapes
             self.serving.load_state_dict(state, strict=False)

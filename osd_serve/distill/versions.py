@@ -277,6 +277,7 @@ class VersionStore:
     def _make_current(self, version: int) -> None:
         self._check_kept(version)
         self.manifest["current"] = version
+        self.manifest["current_at"] = time.time()  # a rollback's choice: no sibling's older version undoes it (siblings.py)
         self._write_manifest()
 
     def _rollback_target(self, to: int | None) -> int:

@@ -1,0 +1,74 @@
+"""A local-backend replica that starts in a fresh versions slot (versions.claim_slot) begins from the draft
+its sibling slots learned, not the configured one.
+
+A rolling redeploy starts each new replica while the old one still holds its slot, so the new one takes a
+fresh slot; a scale-up does too. Before this, such a replica served the configured draft (version 0) and
+had to learn again from its own traffic what its siblings' versions already held, and the old slots'
+versions waited unused for the next redeploy. Only a sibling of the same pair (its slot's replay
+``.pair.json``: target and draft names and the target's weights) and of the same draft (the expert's
+manifest fingerprint, versions.draft_fingerprint) counts: a version distilled for another target or draft
+is no better a start than version 0. Of those, the one whose current version was published last.
+Reading another live replica's store is safe: a version's files are written once and renamed into place,
+and its current version is never pruned; a version pruned between the manifest read and the load
+(a rollback, then an update) is skipped, and the replica starts from version 0 as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from safetensors import SafetensorError
+
+from .spill import RecordSpill
+from .versions import VersionStore, read_manifest
+
+logger = logging.getLogger("ray.serve")
+
+
+def learned_at(store: VersionStore) -> float | None:
+    """When the store's current version was published, or made current by a rollback since (a version an
+    operator went back to stays, unless a sibling learned one after that); None for version 0 (the configured
+    draft, which any learned version beats) when no rollback chose it, no version, or a meta file that cannot
+    be read."""
+    try:
+        published = float(store.meta(store.current)["time"]) if store.current else None
+    except (OSError, ValueError, KeyError, TypeError):
+        published = None
+    chosen = store.manifest.get("current_at")
+    return max(published or 0.0, chosen) if isinstance(chosen, (int, float)) else published
+
+
+def newest_sibling(slot: Path, expert: str, draft: str, newer_than: float | None, pair: list[str]) -> tuple[dict, dict] | None:
+    """(state, meta) of the expert's version to start from, found in ``slot``'s sibling slots: the current
+    version published last, if later than ``newer_than`` (learned_at of this replica's own); None: none is.
+    slot: this replica's (its parent holds the siblings); draft: the expert's draft fingerprint; pair: this
+    replica's pair, as its ReplicaSpill has it. The meta keeps the version's own publish time: a sibling
+    that restarts later finds the same weights no newer than its own, and does not take them back."""
+    found = []
+    for other in sorted(slot.parent.glob("slot-*")):
+        if other == slot:
+            continue
+        try:
+            manifest = read_manifest(other / expert)
+            if RecordSpill(other / ".replay").pair() != list(pair) or not manifest or manifest.get("draft") != draft:
+                continue
+            version = manifest.get("current")
+            if not version:  # None, or 0: the configured draft, which this replica loaded already
+                continue
+            t = float(VersionStore(other / expert).meta(version)["time"])
+            if newer_than is None or t > newer_than:
+                found.append((t, other, version))
+        except (OSError, ValueError, KeyError, TypeError):  # a sibling mid-write, or a foreign file: not a start
+            continue
+    for t, other, version in sorted(found, key=lambda f: f[0], reverse=True):
+        try:
+            state = VersionStore(other / expert).load(version)
+        except (OSError, KeyError, ValueError, SafetensorError) as e:  # pruned since the manifest was read: the next newest
+            logger.warning("versions: %s version %s of %s could not be read (%r)", other.name, version, expert, e)
+            continue
+        logger.warning("versions: %s of %s starts from %s's version %s, learned later than its own", expert,
+                       slot.name, other.name, version)
+        return state, {"reason": "inherited", "from": f"{other.name} version {version}", "time": t, "inherited_at": time.time()}
+    return None

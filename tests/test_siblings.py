@@ -1,0 +1,125 @@
+"""A local-backend replica in a fresh versions slot starts from what its sibling replicas learned
+(osd_serve/distill/siblings.py). A rolling redeploy starts each new replica before the old one lets go of
+its slot: before this, the new one served the configured draft (version 0) and learned everything again."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from osd_serve.distill import online
+from osd_serve.distill.guard import Verdict
+from osd_serve.distill.siblings import newest_sibling
+from osd_serve.distill.versions import VersionStore
+from tests.test_local_spill import PROMPTS, _make, _serve
+
+
+def _published(monkeypatch):
+    monkeypatch.setattr(online, "check", lambda *a, **k: Verdict(True, "published by the test", {}, {}))
+
+
+def _update(svc) -> int:
+    svc.distillers["default"].engine.recorder.cfg.guard_every = 1  # every record a guard sample: enough to split
+    asyncio.run(_serve(svc, PROMPTS[:4]))
+    res = asyncio.run(svc.admin_update("default"))
+    assert res["published"], res
+    return svc.distillers["default"].store.current
+
+
+def _serving(svc):
+    dist = svc.distillers["default"]
+    return dist.store, dist.engine
+
+
+def _same_weights(model, state) -> bool:
+    have = model.state_dict()
+    return all(torch.equal(have[n], t.to(have[n].dtype)) for n, t in state.items())
+
+
+def test_a_replica_in_a_fresh_slot_starts_from_its_siblings_newest_version(tok, tmp_path, monkeypatch):
+    _published(monkeypatch)
+    make = _make(tok, tmp_path)
+    old = make("old")  # slot-0
+    try:
+        learned = _update(old)
+        want = VersionStore(tmp_path / "replicas" / "slot-0" / "default").load(learned)
+        new = make("new")  # the redeploy's replica, started while the old one serves: slot-1
+        try:
+            store, engine = _serving(new)
+            assert store.root.parent.name == "slot-1" and store.versions == [0, 1] and store.current == 1
+            assert store.meta(1)["reason"] == "inherited" and store.meta(1)["from"] == f"slot-0 version {learned}"
+            asyncio.run(_serve(new, PROMPTS[:1]))
+            assert engine.draft_version == 1 and _same_weights(engine.draft, want)  # serves it, from its first request
+            assert _same_weights(new.distillers["default"].serving, want)  # and guards against it
+            assert store.parent(1) == 0  # a rollback reaches the configured draft
+            assert asyncio.run(new.admin_experts())["experts"]["default"]["serving_version"] == 1
+        finally:
+            new.close()
+    finally:
+        old.close()
+
+
+def test_a_restarted_replica_takes_a_newer_sibling_version_but_not_its_own_back(tok, tmp_path, monkeypatch):
+    _published(monkeypatch)
+    make = _make(tok, tmp_path)
+    a = make("a")  # slot-0
+    try:
+        _update(a)
+        b = make("b")  # slot-1: inherits slot-0's version 1
+        b.close()
+        newer = _update(a)  # slot-0 learns on while slot-1 is down
+        b = make("b2")  # slot-1 again: its own current is older than slot-0's
+        try:
+            store, engine = _serving(b)
+            assert store.current == 2 and store.meta(2)["from"] == f"slot-0 version {newer}" and engine.draft_version == 2
+        finally:
+            b.close()
+    finally:
+        a.close()
+    a = make("a2")  # slot-0 again: slot-1's newest is its own version, under its own publish time
+    try:
+        store, _ = _serving(a)
+        assert store.current == newer and "from" not in store.meta(newer)  # its own, not taken back as a copy
+    finally:
+        a.close()
+
+
+def test_a_rollback_is_not_undone_by_an_older_sibling_version(tok, tmp_path, monkeypatch):
+    _published(monkeypatch)
+    make = _make(tok, tmp_path)
+    a = make("a")
+    try:
+        _update(a)
+        b = make("b")  # slot-1, inherited version 1
+        try:
+            asyncio.run(b.admin_rollback("default", 0))  # an operator went back to the configured draft
+        finally:
+            b.close()
+        b = make("b2")
+        try:
+            assert _serving(b)[0].current == 0 and _serving(b)[1].draft_version == 0
+        finally:
+            b.close()
+    finally:
+        a.close()
+
+
+def test_only_a_sibling_of_the_same_pair_and_draft_counts(tok, tmp_path, monkeypatch):
+    _published(monkeypatch)
+    make = _make(tok, tmp_path)
+    a = make("a")
+    try:
+        _update(a)
+        mine = tmp_path / "replicas" / "slot-1"
+        pair = a.spill.writer.disk.pair()
+        draft = VersionStore(tmp_path / "replicas" / "slot-0" / "default").manifest["draft"]
+        assert newest_sibling(mine, "default", draft, None, pair) is not None
+        assert newest_sibling(mine, "default", draft, None, [*pair[:2], "another target's weights"]) is None
+        assert newest_sibling(mine, "default", "another draft", None, pair) is None
+        assert newest_sibling(mine, "sql", draft, None, pair) is None  # an expert no sibling has
+        assert newest_sibling(tmp_path / "replicas" / "slot-0", "default", draft, None, pair) is None  # itself
+        (tmp_path / "replicas" / "slot-0" / "default" / "v000001" / "draft.safetensors").unlink()  # pruned meanwhile
+        assert newest_sibling(mine, "default", draft, None, pair) is None
+    finally:
+        a.close()
