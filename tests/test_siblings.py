@@ -5,13 +5,18 @@ its slot: before this, the new one served the configured draft (version 0) and l
 from __future__ import annotations
 
 import asyncio
+import copy
 
 import torch
+
+from deployments.config import AppConfig
 
 from osd_serve.distill import online
 from osd_serve.distill.guard import Verdict
 from osd_serve.distill.siblings import newest_sibling
 from osd_serve.distill.versions import VersionStore
+from osd_serve.service import SpecService
+from tests.conftest import llama, perturbed
 from tests.test_local_spill import PROMPTS, _make, _serve
 
 
@@ -123,3 +128,57 @@ def test_only_a_sibling_of_the_same_pair_and_draft_counts(tok, tmp_path, monkeyp
         assert newest_sibling(mine, "default", draft, None, pair) is None
     finally:
         a.close()
+
+
+def test_a_siblings_later_rollback_is_followed(tok, tmp_path, monkeypatch):
+    """Copied into every new slot, a version an operator rolled back on one replica came back from the others'."""
+    _published(monkeypatch)
+    make = _make(tok, tmp_path)
+    a = make("a")  # slot-0
+    try:
+        _update(a)
+        make("b").close()  # slot-1 took version 1
+        asyncio.run(a.admin_rollback("default", 0))  # then the operator went back to the configured draft on slot-0
+        c = make("c")  # slot-1 again: its copy of version 1 is older than that choice
+        try:
+            store, engine = _serving(c)
+            assert store.current == 0 and engine.draft_version == 0
+        finally:
+            c.close()
+        _update(a)  # slot-0 learns version 2, and goes back to version 1 (no longer the newest published)
+        asyncio.run(a.admin_rollback("default", 1))
+        d = make("d")  # slot-1: slot-0's choice is the latest, not the newest number
+        try:
+            store, _ = _serving(d)
+            assert store.meta(store.current)["from"] == "slot-0 version 1"
+        finally:
+            d.close()
+    finally:
+        a.close()
+
+
+def test_a_version_learned_for_another_target_is_not_inherited(tok, tmp_path, monkeypatch):
+    """A slot's versions outlive a change of its target (its records do not): the pair its .pair.json names
+    is its new owner's, not the one a version learned from."""
+    _published(monkeypatch)
+    cfg = AppConfig(distill={"versions_dir": str(tmp_path), "mode": "full", "trigger_records": 1000,
+                             "trigger_age_s": 3600}, wandb={"mode": "disabled"})
+    old_target = llama(len(tok), seed=3)
+    draft, new_target = perturbed(old_target, 0.05), perturbed(old_target, 0.01, seed=5)
+
+    def make(target, tag):
+        return SpecService(cfg, models=(target, copy.deepcopy(draft), tok), replica_tag=tag, private_versions=True)
+
+    a = make(old_target, "a")
+    _update(a)
+    a.close()
+    x = make(new_target, "x")  # the retrained target's replica takes slot-0 over, version 1 with it
+    try:
+        assert _serving(x)[0].current == 1
+        y = make(new_target, "y")  # slot-1: version 1 was learned for the old target
+        try:
+            assert _serving(y)[0].versions == [0] and _serving(y)[1].draft_version == 0
+        finally:
+            y.close()
+    finally:
+        x.close()

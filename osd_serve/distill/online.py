@@ -81,19 +81,27 @@ class OnlineDistiller:
         if fresh:  # version 0: the draft we started from, so rollback can reach it
             store.publish(trainer.serving_state(), {"reason": "initial draft"}, draft=base)
             self._adapter_base = store.current
-        if inherit is not None and (found := inherit(base, learned_at(store))) is not None:  # a sibling's newer one
-            if store.publish(*found, expect_current=store.current, expect_draft=base) is not None:
-                fresh = False
-        if not fresh:  # a store this draft was distilled into before (a restart), or inherited: on from its current version
-            state = store.load(store.current)
+        elif "draft" not in store.manifest:  # a store from before fingerprints: it is this draft's from now on
+            store.set_draft(base)
+        state = None
+        if inherit is not None and (found := inherit(base, learned_at(store))) is not None:  # a sibling's, chosen later
+            state = self._inherit(store, base, *found)
+        if state is not None or not fresh:  # a store this draft was distilled into before (a restart), or inherited
+            state = store.load(store.current) if state is None else state
             engine.swap_draft(state, store.current)  # refuses a store of another draft's shapes
             self.serving.load_state_dict(state, strict=False)
             trainer.reset_to(state)
             self._adapter_base = store.current  # LoRA mode: the adapters from here on apply over this version
-            if "draft" not in store.manifest:  # a store from before fingerprints: it is this draft's from now on
-                store.set_draft(base)
         engine.draft_version = store.current
         engine.recorder = Recorder(record, on_finish=self._on_finish)
+
+    @staticmethod
+    def _inherit(store: VersionStore, base: str, state: dict | None, meta: dict) -> dict | None:
+        """A sibling's version made this store's current (siblings.newest_sibling); its weights, or None if
+        nothing changed. state None: the sibling's rollback to version 0, the configured draft."""
+        if state is None:
+            return None if store.current == 0 else store.rollback(to=0)[1]
+        return state if store.publish(state, meta, expect_current=store.current, expect_draft=base) is not None else None
 
     # ---- serving thread side ------------------------------------------------------------------------
     def _on_finish(self, record, trace) -> None:
@@ -147,7 +155,7 @@ class OnlineDistiller:
             state = self.trainer.serving_state()
             # Scored as it would serve: the published state in the serving draft's dtype. The student
             # itself (float32 masters under a bfloat16 draft) moved the guard's alpha by the dtype alone,
-            # publishing near no-op versions and refusing others. (The Ray controller loads it the same way.)
+            # publishing near no-op versions and refusing others. (The Ray job's rank 0 guards it so: train_job.guard_candidate.)
             candidate = copy.deepcopy(self.serving)
             candidate.load_state_dict(state, strict=False)
             verdict = check(candidate, self.serving, heldout, self.vocab, self.guard, candidate_state=state,
@@ -155,7 +163,8 @@ class OnlineDistiller:
             version = None
             if verdict.publish:
                 meta = {"trigger": trigger, "expert": expert, "candidate": verdict.candidate,
-                        "serving": verdict.serving, "loss_last": losses[-1] if losses else None}
+                        "serving": verdict.serving, "loss_last": losses[-1] if losses else None,
+                        **({"pair": self.files.pair} if self.files is not None else {})}  # what it learned from (siblings.py)
                 writer = None
                 if self.trainer.cfg.mode == "lora":  # the adapter is a delta over the version the LoRA was put on
                     writer, meta["adapter_base_version"] = self.trainer.save_adapter, self._adapter_base

@@ -40,35 +40,37 @@ def learned_at(store: VersionStore) -> float | None:
     return max(published or 0.0, chosen) if isinstance(chosen, (int, float)) else published
 
 
-def newest_sibling(slot: Path, expert: str, draft: str, newer_than: float | None, pair: list[str]) -> tuple[dict, dict] | None:
-    """(state, meta) of the expert's version to start from, found in ``slot``'s sibling slots: the current
-    version published last, if later than ``newer_than`` (learned_at of this replica's own); None: none is.
-    slot: this replica's (its parent holds the siblings); draft: the expert's draft fingerprint; pair: this
-    replica's pair, as its ReplicaSpill has it. The meta keeps the version's own publish time: a sibling
-    that restarts later finds the same weights no newer than its own, and does not take them back."""
+def newest_sibling(slot: Path, expert: str, draft: str, newer_than: float | None,
+                   pair: list[str]) -> tuple[dict | None, dict] | None:
+    """(state, meta) of the expert's version to start from: the sibling slots' current version chosen last (its
+    learned_at), if later than ``newer_than`` (this replica's own); state None: version 0, the configured draft,
+    which a sibling's rollback chose. None: no sibling's is later. slot: this replica's (its parent holds the
+    siblings); draft: the expert's draft fingerprint; pair: this replica's (ReplicaSpill.pair), which a learned
+    version's meta names (a slot's versions outlive a change of its target). The meta keeps when the version was
+    chosen: a sibling that restarts later finds the same weights no newer than its own, and keeps its own."""
     found = []
     for other in sorted(slot.parent.glob("slot-*")):
         if other == slot:
             continue
         try:
-            manifest = read_manifest(other / expert)
-            if RecordSpill(other / ".replay").pair() != list(pair) or not manifest or manifest.get("draft") != draft:
+            if not (manifest := read_manifest(other / expert)) or manifest.get("draft") != draft:
                 continue
-            version = manifest.get("current")
-            if not version:  # None, or 0: the configured draft, which this replica loaded already
-                continue
-            t = float(VersionStore(other / expert).meta(version)["time"])
-            if newer_than is None or t > newer_than:
-                found.append((t, other, version))
+            store = VersionStore(other / expert)
+            t, version = learned_at(store), store.current
+            # version 0 is the same draft on every target; a learned one, only for the pair it learned from
+            mine = RecordSpill(other / ".replay").pair() if version == 0 else store.meta(version).get("pair")
+            if t is not None and (newer_than is None or t > newer_than) and mine == list(pair):
+                found.append((t, other, store, version))
         except (OSError, ValueError, KeyError, TypeError):  # a sibling mid-write, or a foreign file: not a start
             continue
-    for t, other, version in sorted(found, key=lambda f: f[0], reverse=True):
+    for t, other, store, version in sorted(found, key=lambda f: f[0], reverse=True):
         try:
-            state = VersionStore(other / expert).load(version)
+            state = store.load(version) if version else None
         except (OSError, KeyError, ValueError, SafetensorError) as e:  # pruned since the manifest was read: the next newest
             logger.warning("versions: %s version %s of %s could not be read (%r)", other.name, version, expert, e)
             continue
-        logger.warning("versions: %s of %s starts from %s's version %s, learned later than its own", expert,
+        logger.warning("versions: %s of %s starts from %s's version %s, chosen later than its own", expert,
                        slot.name, other.name, version)
-        return state, {"reason": "inherited", "from": f"{other.name} version {version}", "time": t, "inherited_at": time.time()}
+        return state, {"reason": "inherited", "from": f"{other.name} version {version}", "pair": list(pair), "time": t,
+                       "inherited_at": time.time()}
     return None

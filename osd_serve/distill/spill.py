@@ -364,6 +364,7 @@ class ReplicaSpill:
     against the mark an update takes."""
 
     def __init__(self, root: str | os.PathLike, pair: list[str]):
+        self.pair = list(pair)  # also in the versions this replica publishes (siblings.py)
         self.writer = SpillWriter(RecordSpill(root))
         self._lock = threading.Lock()  # the seq counter is one over all experts, whose distillers run apart
         self._next = 0
