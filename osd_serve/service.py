@@ -113,7 +113,7 @@ class SpecService:
                 pair = [*pair_of(cfg), draft_fingerprint(self.target.state_dict())]
                 self.spill = files = ReplicaSpill(root / ".replay", pair)
                 files.keep_only(list(self.server.engines))
-                # A fresh slot (a rolling redeploy, a scale-up) starts from what the sibling replicas learned
+                # A fresh slot (a scale-up, a surge redeploy) starts from what the sibling replicas learned
                 inherit = lambda name: functools.partial(newest_sibling, root, name, pair=pair)  # noqa: E731
             for name, eng in self.server.engines.items():
                 train = TrainConfig(mode=d.mode, lr=d.lr, steps_per_update=d.steps_per_update,

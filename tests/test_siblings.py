@@ -1,6 +1,7 @@
 """A local-backend replica in a fresh versions slot starts from what its sibling replicas learned
-(osd_serve/distill/siblings.py). A rolling redeploy starts each new replica before the old one lets go of
-its slot: before this, the new one served the configured draft (version 0) and learned everything again."""
+(osd_serve/distill/siblings.py): a scale-up, or a rolling redeploy with a surge (max_surge_percent > 0), which
+starts the new replica before the old one lets go of its slot. Before, it served the configured draft (version 0)
+and learned everything again."""
 
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def test_a_replica_in_a_fresh_slot_starts_from_its_siblings_newest_version(tok, 
     try:
         learned = _update(old)
         want = VersionStore(tmp_path / "replicas" / "slot-0" / "default").load(learned)
-        new = make("new")  # the redeploy's replica, started while the old one serves: slot-1
+        new = make("new")  # a surge's or a scale-up's replica, started while the old one serves: slot-1
         try:
             store, engine = _serving(new)
             assert store.root.parent.name == "slot-1" and store.versions == [0, 1] and store.current == 1

@@ -1,8 +1,9 @@
 """A local-backend replica that starts in a fresh versions slot (versions.claim_slot) begins from the draft
 its sibling slots learned, not the configured one.
 
-A rolling redeploy starts each new replica while the old one still holds its slot, so the new one takes a
-fresh slot; a scale-up does too. Before this, such a replica served the configured draft (version 0) and
+A scale-up starts a replica in a fresh slot, and so does a rolling redeploy with a surge (Serve's
+max_surge_percent > 0: the new replica starts while the old one still holds its slot; with the default 0, the
+old one stops first and the new one takes its slot over). Before this, such a replica served the configured draft (version 0) and
 had to learn again from its own traffic what its siblings' versions already held, and the old slots'
 versions waited unused for the next redeploy. Only a sibling of the same pair (its slot's replay
 ``.pair.json``: target and draft names and the target's weights) and of the same draft (the expert's
