@@ -183,3 +183,24 @@ def test_a_version_learned_for_another_target_is_not_inherited(tok, tmp_path, mo
             y.close()
     finally:
         x.close()
+
+
+def test_lora_updates_over_an_inherited_version_keep_it_as_their_base(tok, tmp_path, monkeypatch):
+    """LoRA mode: a version's adapter is a delta over its base version, which pruning must keep."""
+    _published(monkeypatch)
+    make = _make(tok, tmp_path, mode="lora", keep_versions=1)
+    a = make("a")
+    try:
+        _update(a)
+        b = make("b")  # slot-1: version 1, inherited as full weights
+        try:
+            store, _ = _serving(b)
+            assert store.meta(1)["reason"] == "inherited"
+            _update(b)
+            _update(b)
+            assert store.current == 3 and store.meta(3)["adapter_base_version"] == 1
+            assert 1 in store.versions and torch.is_tensor(next(iter(store.load(1).values())))  # kept though keep_versions=1
+        finally:
+            b.close()
+    finally:
+        a.close()
