@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from .guard import GuardConfig, check, retire_guard_samples, split_for_guard
 from .recorder import Recorder, RecordConfig
 from .replay import Backoff, ReplayBuffer
-from .trainer import DistillTrainer
 from .siblings import learned_at
+from .trainer import DistillTrainer
 from .versions import VersionStore, draft_fingerprint
 
 logger = logging.getLogger(__name__)
@@ -49,8 +49,8 @@ class OnlineDistiller:
                  inherit=None):
         """files: a spill.ReplicaSpill the buffer's records are also written to (its on_drop removes them), so
         that a replica restarted on the same slot resumes with them. inherit(draft fingerprint, learned_at(store))
-        -> (state, meta) or None: a version learned later than the store's current, published over it as the one to
-        start from (siblings.newest_sibling: another replica's)."""
+        -> (state, meta) or None: a version chosen later than the store's current, made current as the one to start
+        from (siblings.newest_sibling: another replica's; state None: version 0, which a sibling's rollback chose)."""
         self.engine, self.trainer, self.buffer, self.store = engine, trainer, buffer, store
         self.files = files
         self.guard = guard or GuardConfig()
