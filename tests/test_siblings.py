@@ -204,3 +204,31 @@ def test_lora_updates_over_an_inherited_version_keep_it_as_their_base(tok, tmp_p
             b.close()
     finally:
         a.close()
+
+
+def test_a_store_without_version_0_starts_when_a_sibling_rolled_back_to_it(tok, tmp_path, monkeypatch):
+    """A store an older osd-serve pruned version 0 from could not follow a sibling's rollback to it: rollback(to=0)
+    raised in the replica's constructor, at every restart (the sibling's choice stays on disk)."""
+    import json
+
+    _published(monkeypatch)
+    make = _make(tok, tmp_path)
+    a = make("a")
+    try:
+        _update(a)
+        make("b").close()  # slot-1: versions [0, 1], 1 inherited
+        b = make("b2")  # the inheritor restarted: nothing newer, no version added
+        b.close()
+        manifest = tmp_path / "replicas" / "slot-1" / "default" / "manifest.json"
+        m = json.loads(manifest.read_text())
+        assert m["versions"] == [0, 1]
+        manifest.write_text(json.dumps({**m, "versions": [1], "parents": {"1": None}}))  # as old pruning left it
+        asyncio.run(a.admin_rollback("default", 0))
+        b = make("b3")
+        try:
+            store, engine = _serving(b)
+            assert store.current == 1 and engine.draft_version == 1  # its own, as before inheritance existed
+        finally:
+            b.close()
+    finally:
+        a.close()

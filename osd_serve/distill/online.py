@@ -86,7 +86,7 @@ class OnlineDistiller:
         state = None
         if inherit is not None and (found := inherit(base, learned_at(store))) is not None:  # a sibling's, chosen later
             state = self._inherit(store, base, *found)
-        if state is not None or not fresh:  # a store this draft was distilled into before (a restart), or inherited
+        if state is not None or not fresh or store.current != 0:  # distilled into before (a restart), or inherited
             state = store.load(store.current) if state is None else state
             engine.swap_draft(state, store.current)  # refuses a store of another draft's shapes
             self.serving.load_state_dict(state, strict=False)
@@ -99,8 +99,8 @@ class OnlineDistiller:
     def _inherit(store: VersionStore, base: str, state: dict | None, meta: dict) -> dict | None:
         """A sibling's version made this store's current (siblings.newest_sibling); its weights, or None if
         nothing changed. state None: the sibling's rollback to version 0, the configured draft."""
-        if state is None:
-            return None if store.current == 0 else store.rollback(to=0)[1]
+        if state is None:  # unless this store has no version 0 (pruned by an osd-serve from before it was kept)
+            return None if store.current == 0 or 0 not in store.versions else store.rollback(to=0)[1]
         return state if store.publish(state, meta, expect_current=store.current, expect_draft=base) is not None else None
 
     # ---- serving thread side ------------------------------------------------------------------------
