@@ -67,6 +67,15 @@ def expert_draft(base, adapter: str | None, name: str = "expert"):
         raise ValueError(f"adapter {name!r} at {adapter!r} cannot be merged into the draft: {e}") from e
 
 
+def _inherited_from(dist: OnlineDistiller, version: int | None) -> str | None:
+    """Where the serving version came from if a sibling slot learned it ("slot-N version V", siblings.py)."""
+    try:
+        meta = dist.store.meta(version) if version is not None else {}
+    except (OSError, ValueError):  # pruned meanwhile, or a half-copied store: nothing to say
+        return None
+    return meta.get("from") if meta.get("reason") == "inherited" else None
+
+
 class SpecService:
     def __init__(self, cfg, models=None, replica_tag: str = "local", record_sink=None, private_versions: bool = False,
                  versions_dir: Path | None = None):
@@ -189,7 +198,8 @@ class SpecService:
                          "updates": dist.n_updates if dist else 0, "buffer_bytes": dist.buffer.nbytes if dist else 0,
                          # the records held, and those toward the next update's trigger (also after a restart)
                          "buffer_records": len(shard.records) if shard else 0,
-                         "buffer_new": shard.new_since_update if shard else 0, "last_error": dist.error if dist else None}
+                         "buffer_new": shard.new_since_update if shard else 0, "last_error": dist.error if dist else None,
+                         "inherited_from": _inherited_from(dist, eng.next_draft_version) if dist else None}
         return {"experts": out, "replica": self.replica_tag}
 
     def _watched_versions(self, expert: str) -> list[int]:

@@ -59,7 +59,9 @@ def test_a_replica_in_a_fresh_slot_starts_from_its_siblings_newest_version(tok, 
             assert engine.draft_version == 1 and _same_weights(engine.draft, want)  # serves it, from its first request
             assert _same_weights(new.distillers["default"].serving, want)  # and guards against it
             assert store.parent(1) == 0  # a rollback reaches the configured draft
-            assert asyncio.run(new.admin_experts())["experts"]["default"]["serving_version"] == 1
+            seen = asyncio.run(new.admin_experts())["experts"]["default"]
+            assert (seen["serving_version"], seen["inherited_from"]) == (1, f"slot-0 version {learned}")
+            assert asyncio.run(old.admin_experts())["experts"]["default"]["inherited_from"] is None  # learned there
         finally:
             new.close()
     finally:
