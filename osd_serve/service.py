@@ -114,7 +114,7 @@ class SpecService:
         if d.enabled and record_sink is not None:
             self._watch_versions(self.versions_dir, record_sink, RecordConfig(keep=d.keep, topk=d.record_topk))
         elif d.enabled:
-            root, files, inherit = self.versions_dir / replica_tag, None, lambda name: None
+            root, files = self.versions_dir / replica_tag, None
             if private_versions:  # the slot's lock makes its files this replica's alone, records as versions
                 root, self._slot = claim_slot(root.parent / "replicas")
                 # The target's weights too: records are its distributions, and new weights at the same path (a
@@ -122,8 +122,6 @@ class SpecService:
                 pair = [*pair_of(cfg), draft_fingerprint(self.target.state_dict())]
                 self.spill = files = ReplicaSpill(root / ".replay", pair)
                 files.keep_only(list(self.server.engines))
-                # A fresh slot (a scale-up, a surge redeploy) starts from what the sibling replicas learned
-                inherit = lambda name: functools.partial(newest_sibling, root, name, pair=pair)  # noqa: E731
             for name, eng in self.server.engines.items():
                 train = TrainConfig(mode=d.mode, lr=d.lr, steps_per_update=d.steps_per_update,
                                     time_limit_s=d.train_time_limit_s)
@@ -133,7 +131,9 @@ class SpecService:
                 if files is not None:
                     files.restore(name, buf)
                 dist = OnlineDistiller(eng, trainer, buf, VersionStore(root / name, d.keep_versions), GuardConfig(),
-                                       RecordConfig(keep=d.keep, topk=d.record_topk), files=files, inherit=inherit(name))
+                                       RecordConfig(keep=d.keep, topk=d.record_topk), files=files,
+                                       # a fresh slot (a scale-up, a surge redeploy) starts from what its siblings learned
+                                       inherit=files and functools.partial(newest_sibling, root, name, pair=files.pair))
                 dist.on_update = self._update_hook(name)
                 dist.start()
                 self.distillers[name] = dist

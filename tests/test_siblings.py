@@ -6,7 +6,9 @@ and learned everything again."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
+import json
 
 import torch
 
@@ -38,20 +40,36 @@ def _serving(svc):
     return dist.store, dist.engine
 
 
+@contextlib.contextmanager
+def _replica(make, tag: str):
+    """A replica (it claims the lowest free slot) for the with-block, closed after it (its slot let go)."""
+    svc = make(tag)
+    try:
+        yield svc
+    finally:
+        svc.close()
+
+
+@contextlib.contextmanager
+def _learned(tok, tmp_path, monkeypatch, **distill):
+    """(make, a): a replica in slot-0 that has published version 1, for the with-block; updates always publish."""
+    _published(monkeypatch)
+    make = _make(tok, tmp_path, **distill)
+    with _replica(make, "a") as a:
+        _update(a)
+        yield make, a
+
+
 def _same_weights(model, state) -> bool:
     have = model.state_dict()
     return all(torch.equal(have[n], t.to(have[n].dtype)) for n, t in state.items())
 
 
 def test_a_replica_in_a_fresh_slot_starts_from_its_siblings_newest_version(tok, tmp_path, monkeypatch):
-    _published(monkeypatch)
-    make = _make(tok, tmp_path)
-    old = make("old")  # slot-0
-    try:
-        learned = _update(old)
+    with _learned(tok, tmp_path, monkeypatch) as (make, old):
+        learned = old.distillers["default"].store.current
         want = VersionStore(tmp_path / "replicas" / "slot-0" / "default").load(learned)
-        new = make("new")  # a surge's or a scale-up's replica, started while the old one serves: slot-1
-        try:
+        with _replica(make, "new") as new:  # a surge's or a scale-up's replica, started while the old one serves: slot-1
             store, engine = _serving(new)
             assert store.root.parent.name == "slot-1" and store.versions == [0, 1] and store.current == 1
             assert store.meta(1)["reason"] == "inherited" and store.meta(1)["from"] == f"slot-0 version {learned}"
@@ -62,63 +80,30 @@ def test_a_replica_in_a_fresh_slot_starts_from_its_siblings_newest_version(tok, 
             seen = asyncio.run(new.admin_experts())["experts"]["default"]
             assert (seen["serving_version"], seen["inherited_from"]) == (1, f"slot-0 version {learned}")
             assert asyncio.run(old.admin_experts())["experts"]["default"]["inherited_from"] is None  # learned there
-        finally:
-            new.close()
-    finally:
-        old.close()
 
 
 def test_a_restarted_replica_takes_a_newer_sibling_version_but_not_its_own_back(tok, tmp_path, monkeypatch):
-    _published(monkeypatch)
-    make = _make(tok, tmp_path)
-    a = make("a")  # slot-0
-    try:
-        _update(a)
-        b = make("b")  # slot-1: inherits slot-0's version 1
-        b.close()
+    with _learned(tok, tmp_path, monkeypatch) as (make, a):
+        make("b").close()  # slot-1: inherits slot-0's version 1
         newer = _update(a)  # slot-0 learns on while slot-1 is down
-        b = make("b2")  # slot-1 again: its own current is older than slot-0's
-        try:
+        with _replica(make, "b2") as b:  # slot-1 again: its own current is older than slot-0's
             store, engine = _serving(b)
             assert store.current == 2 and store.meta(2)["from"] == f"slot-0 version {newer}" and engine.draft_version == 2
-        finally:
-            b.close()
-    finally:
-        a.close()
-    a = make("a2")  # slot-0 again: slot-1's newest is its own version, under its own publish time
-    try:
+    with _replica(make, "a2") as a:  # slot-0 again: slot-1's newest is its own version, under its own publish time
         store, _ = _serving(a)
         assert store.current == newer and "from" not in store.meta(newer)  # its own, not taken back as a copy
-    finally:
-        a.close()
 
 
 def test_a_rollback_is_not_undone_by_an_older_sibling_version(tok, tmp_path, monkeypatch):
-    _published(monkeypatch)
-    make = _make(tok, tmp_path)
-    a = make("a")
-    try:
-        _update(a)
-        b = make("b")  # slot-1, inherited version 1
-        try:
+    with _learned(tok, tmp_path, monkeypatch) as (make, _):
+        with _replica(make, "b") as b:  # slot-1, inherited version 1
             asyncio.run(b.admin_rollback("default", 0))  # an operator went back to the configured draft
-        finally:
-            b.close()
-        b = make("b2")
-        try:
+        with _replica(make, "b2") as b:
             assert _serving(b)[0].current == 0 and _serving(b)[1].draft_version == 0
-        finally:
-            b.close()
-    finally:
-        a.close()
 
 
 def test_only_a_sibling_of_the_same_pair_and_draft_counts(tok, tmp_path, monkeypatch):
-    _published(monkeypatch)
-    make = _make(tok, tmp_path)
-    a = make("a")
-    try:
-        _update(a)
+    with _learned(tok, tmp_path, monkeypatch) as (_, a):
         mine = tmp_path / "replicas" / "slot-1"
         pair = a.spill.writer.disk.pair()
         draft = VersionStore(tmp_path / "replicas" / "slot-0" / "default").manifest["draft"]
@@ -129,35 +114,21 @@ def test_only_a_sibling_of_the_same_pair_and_draft_counts(tok, tmp_path, monkeyp
         assert newest_sibling(tmp_path / "replicas" / "slot-0", "default", draft, None, pair) is None  # itself
         (tmp_path / "replicas" / "slot-0" / "default" / "v000001" / "draft.safetensors").unlink()  # pruned meanwhile
         assert newest_sibling(mine, "default", draft, None, pair) is None
-    finally:
-        a.close()
 
 
 def test_a_siblings_later_rollback_is_followed(tok, tmp_path, monkeypatch):
     """Copied into every new slot, a version an operator rolled back on one replica came back from the others'."""
-    _published(monkeypatch)
-    make = _make(tok, tmp_path)
-    a = make("a")  # slot-0
-    try:
-        _update(a)
+    with _learned(tok, tmp_path, monkeypatch) as (make, a):
         make("b").close()  # slot-1 took version 1
         asyncio.run(a.admin_rollback("default", 0))  # then the operator went back to the configured draft on slot-0
-        c = make("c")  # slot-1 again: its copy of version 1 is older than that choice
-        try:
+        with _replica(make, "c") as c:  # slot-1 again: its copy of version 1 is older than that choice
             store, engine = _serving(c)
             assert store.current == 0 and engine.draft_version == 0
-        finally:
-            c.close()
         _update(a)  # slot-0 learns version 2, and goes back to version 1 (no longer the newest published)
         asyncio.run(a.admin_rollback("default", 1))
-        d = make("d")  # slot-1: slot-0's choice is the latest, not the newest number
-        try:
+        with _replica(make, "d") as d:  # slot-1: slot-0's choice is the latest, not the newest number
             store, _ = _serving(d)
             assert store.meta(store.current)["from"] == "slot-0 version 1"
-        finally:
-            d.close()
-    finally:
-        a.close()
 
 
 def test_a_version_learned_for_another_target_is_not_inherited(tok, tmp_path, monkeypatch):
@@ -169,68 +140,41 @@ def test_a_version_learned_for_another_target_is_not_inherited(tok, tmp_path, mo
     old_target = llama(len(tok), seed=3)
     draft, new_target = perturbed(old_target, 0.05), perturbed(old_target, 0.01, seed=5)
 
-    def make(target, tag):
-        return SpecService(cfg, models=(target, copy.deepcopy(draft), tok), replica_tag=tag, private_versions=True)
+    def on(target):
+        return lambda tag: SpecService(cfg, models=(target, copy.deepcopy(draft), tok), replica_tag=tag,
+                                       private_versions=True)
 
-    a = make(old_target, "a")
-    _update(a)
-    a.close()
-    x = make(new_target, "x")  # the retrained target's replica takes slot-0 over, version 1 with it
-    try:
+    with _replica(on(old_target), "a") as a:
+        _update(a)
+    with _replica(on(new_target), "x") as x:  # the retrained target's replica takes slot-0 over, version 1 with it
         assert _serving(x)[0].current == 1
-        y = make(new_target, "y")  # slot-1: version 1 was learned for the old target
-        try:
+        with _replica(on(new_target), "y") as y:  # slot-1: version 1 was learned for the old target
             assert _serving(y)[0].versions == [0] and _serving(y)[1].draft_version == 0
-        finally:
-            y.close()
-    finally:
-        x.close()
 
 
 def test_lora_updates_over_an_inherited_version_keep_it_as_their_base(tok, tmp_path, monkeypatch):
     """LoRA mode: a version's adapter is a delta over its base version, which pruning must keep."""
-    _published(monkeypatch)
-    make = _make(tok, tmp_path, mode="lora", keep_versions=1)
-    a = make("a")
-    try:
-        _update(a)
-        b = make("b")  # slot-1: version 1, inherited as full weights
-        try:
+    with _learned(tok, tmp_path, monkeypatch, mode="lora", keep_versions=1) as (make, _):
+        with _replica(make, "b") as b:  # slot-1: version 1, inherited as full weights
             store, _ = _serving(b)
             assert store.meta(1)["reason"] == "inherited"
             _update(b)
             _update(b)
             assert store.current == 3 and store.meta(3)["adapter_base_version"] == 1
             assert 1 in store.versions and torch.is_tensor(next(iter(store.load(1).values())))  # kept though keep_versions=1
-        finally:
-            b.close()
-    finally:
-        a.close()
 
 
 def test_a_store_without_version_0_starts_when_a_sibling_rolled_back_to_it(tok, tmp_path, monkeypatch):
     """A store an older osd-serve pruned version 0 from could not follow a sibling's rollback to it: rollback(to=0)
     raised in the replica's constructor, at every restart (the sibling's choice stays on disk)."""
-    import json
-
-    _published(monkeypatch)
-    make = _make(tok, tmp_path)
-    a = make("a")
-    try:
-        _update(a)
+    with _learned(tok, tmp_path, monkeypatch) as (make, a):
         make("b").close()  # slot-1: versions [0, 1], 1 inherited
-        b = make("b2")  # the inheritor restarted: nothing newer, no version added
-        b.close()
+        make("b2").close()  # the inheritor restarted: nothing newer, no version added
         manifest = tmp_path / "replicas" / "slot-1" / "default" / "manifest.json"
         m = json.loads(manifest.read_text())
         assert m["versions"] == [0, 1]
         manifest.write_text(json.dumps({**m, "versions": [1], "parents": {"1": None}}))  # as old pruning left it
         asyncio.run(a.admin_rollback("default", 0))
-        b = make("b3")
-        try:
+        with _replica(make, "b3") as b:
             store, engine = _serving(b)
             assert store.current == 1 and engine.draft_version == 1  # its own, as before inheritance existed
-        finally:
-            b.close()
-    finally:
-        a.close()
