@@ -52,7 +52,7 @@ def filled_cache(model, batch: int, context: int, vocab: int, device) -> BatchKV
     kv = BatchKV(model, batch, device)
     # [batch, context]; from a generator of its own: calibrating mid-serve must not move torch's global one
     ctx = torch.randint(0, vocab, (batch, context), generator=torch.Generator().manual_seed(0)).to(device)
-    kv.forward(ctx, torch.ones_like(ctx, dtype=torch.bool))
+    kv.forward(ctx, torch.ones_like(ctx, dtype=torch.bool), keep=1)
     return kv
 
 

@@ -320,10 +320,12 @@ class TargetVerifier:
         ks = [len(it.draft) for it in items]
         kmax = max(ks)
         inp, valid = pad_right([f + it.draft for f, it in zip(feeds, items)])  # [B, W]
-        logits = kv.forward(inp.to(dev), valid.to(dev))  # [B, W, V']
         # Row i's last history token sits at len(feed_i) - 1; it and the k_i drafts after it are scored.
+        # Logits from the earliest such column on: a sequence's first feed is its prompt, scored never
         start = torch.tensor([len(f) - 1 for f in feeds], device=dev)  # [B]
-        pos = (start[:, None] + torch.arange(kmax + 1, device=dev)[None, :]).clamp_max(logits.shape[1] - 1)  # [B, k+1]
+        cut = int(start.min())
+        logits = kv.forward(inp.to(dev), valid.to(dev), keep=inp.shape[1] - cut)  # [B, W - cut, V']
+        pos = (start[:, None] - cut + torch.arange(kmax + 1, device=dev)[None, :]).clamp_max(logits.shape[1] - 1)  # [B, k+1]
         logits = fit_vocab(logits[torch.arange(b, device=dev)[:, None], pos], self.vocab)  # [B, k+1, V]
         rows = _rows(items, [h[-1:] for h in hist], dev, ks)
         draft, _ = pad_right([it.draft for it in items])  # [B, k] (k = the longest draft)

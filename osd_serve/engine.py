@@ -189,10 +189,10 @@ class SpecEngine:
         ids, valid = pad_right([r.prompt_ids[:-1] for r in new])
         ids, valid = ids.to(dev), valid.to(dev)
         tkv, dkv = BatchKV(self.target, b, dev), BatchKV(self.draft, b, dev)
-        if ids.shape[1]:
-            tkv.forward(ids, valid)
+        if ids.shape[1]:  # keep=1: a prefill reads none of its logits (kv.BatchKV.forward)
+            tkv.forward(ids, valid, keep=1)
             if any(r.params.num_speculative_tokens != 0 for r in new):  # k=0 rows never read the draft
-                dkv.forward(ids, valid)
+                dkv.forward(ids, valid, keep=1)
         last = torch.tensor([r.prompt_ids[-1] for r in new], device=dev)
         rows = RowState(
             last=last,
@@ -356,7 +356,7 @@ class SpecEngine:
                                 for r, m in zip(self.running, pending)])  # [B, W]
         kv = BatchKV(self.draft, len(pending), self.device)
         if ids.shape[1]:
-            kv.forward(ids.to(self.device), valid.to(self.device))
+            kv.forward(ids.to(self.device), valid.to(self.device), keep=1)
         return kv
 
     def _drop_finished(self) -> None:

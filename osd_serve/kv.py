@@ -148,12 +148,10 @@ def make_hole_safe(model) -> None:
     the physical key index; GPT-Neo's local layers, a window over physical columns; Llama-4), and sliding-window
     models on flash-attention-2, which takes no 4D mask (``window_masks``)."""
     c = getattr(model.config, "text_config", model.config)
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft draft forwards **kwargs
-    base = getattr(base, "_orig_mod", base)  # and so does torch.compile's OptimizedModule
+    base = _base_model(model)
     # A model that takes no cache (OpenAI-GPT, RWKV, Mamba) ignored the engine's: each forward saw only its
     # own inputs, which gave other tokens than the target's, or failed deep inside a step.
-    # The class's forward: an instance's may be a wrapper taking **kwargs (accelerate's hooks under device_map)
-    if "past_key_values" not in inspect.signature(type(base).forward).parameters:
+    if "past_key_values" not in _forward_parameters(model):
         raise ValueError(f"model type {c.model_type!r} is not supported: its forward takes no past_key_values "
                          f"(speculative decoding needs a key/value cache it can roll back)")
     # Here, once, not at the first request (a server started healthy, then failed every request)
@@ -173,6 +171,17 @@ def make_hole_safe(model) -> None:
                          f"over logical positions; flash_attention_2 takes none: use attn_implementation sdpa or eager")
 
 
+def _base_model(model):
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft draft forwards **kwargs
+    return getattr(base, "_orig_mod", base)  # and so does torch.compile's OptimizedModule
+
+
+def _forward_parameters(model):
+    """The parameters the model's own forward takes. The class's: an instance's forward may be a wrapper
+    taking **kwargs (accelerate's hooks under device_map)."""
+    return inspect.signature(type(_base_model(model)).forward).parameters
+
+
 def max_input_id(model) -> int:
     """The last id ``model`` embeds. A draft's embedding can be smaller than the target's (Qwen2.5
     0.5B: 151936 rows, 7B: 152064): a target id it lacks is fed to it as this one (``ids.clamp``). That
@@ -185,6 +194,8 @@ class BatchKV:
         """``model`` went through ``make_hole_safe`` (its owner does that once: this runs per admission)."""
         self.model = model
         self.max_id = max_input_id(model)
+        # Hugging Face's causal LMs (transformers >= 4.45) compute logits for the last N inputs only
+        self.keeps_logits = "logits_to_keep" in _forward_parameters(model)
         c = getattr(model.config, "text_config", model.config)
         self.window = sliding_window(c)  # past this many columns, forward passes window_masks
         self.mixed = self.window is not None and "full_attention" in (getattr(c, "layer_types", None) or ())
@@ -207,13 +218,22 @@ class BatchKV:
         return self.col_pos >= 0  # [B, P]
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, input_valid: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, input_valid: torch.Tensor, keep: int | None = None) -> torch.Tensor:
         """Append ``input_ids`` to every row and return the logits.
 
         input_ids   [B, T] int64; invalid entries are padding (any id) and become holes.
         input_valid [B, T] bool; the valid entries of a row must come first (right padding).
-        returns     [B, T, V] logits.
+        keep        the logits of the last ``keep`` inputs only (>= 1; None: all). Why: a prefill reads
+                    none of its logits, and all of them are [B, T, V]: 1.2 GB in float32 for 4 prompts
+                    of 512 tokens at Qwen2's 152k vocabulary, where keep=1 made the prefill of a 4-layer
+                    Qwen2-shaped model 2.9x faster and the default draft's 1.6-2.1x
+                    (benchmarks/prefill_logits.py, results/prefill_logits.jsonl).
+        returns     [B, T, V] logits, or [B, keep, V].
         """
+        if keep is not None and not 1 <= keep <= input_ids.shape[1]:
+            raise ValueError(f"keep must be in [1, {input_ids.shape[1]}] (the inputs), got {keep}")
+        # transformers reads logits_to_keep=0 as "all"; a model without the argument computes all, cut below
+        extra = {"logits_to_keep": keep} if keep is not None and self.keeps_logits else {}
         width, fresh = self.width, self.cache is None
         if fresh:
             self.cache = new_cache(self.model.config)
@@ -238,6 +258,7 @@ class BatchKV:
                 position_ids=pos,
                 past_key_values=self.cache,
                 use_cache=True,
+                **extra,
             )
         except BaseException:
             # Raised part-way (out of memory in some layer): the layers before it have appended this
@@ -252,7 +273,7 @@ class BatchKV:
             raise
         self.col_pos = torch.cat([self.col_pos, new_pos], dim=1)
         self.length = self.length + input_valid.long().sum(1)
-        return out.logits
+        return out.logits if keep is None else out.logits[:, -keep:]
 
     def truncate(self, lengths: torch.Tensor) -> None:
         """Roll each row back to ``lengths[b]`` tokens: columns at positions >= it become holes. [B]"""

@@ -110,10 +110,13 @@ def propose(draft: BatchKV, rows: RowState, k: int, vocab: int, u_draft: torch.T
     # CPU. Same tokens as the general path: q = one-hot of the argmax there too, and inverse-CDF
     # sampling a one-hot returns its index.
     greedy = rows.all_greedy
+    # The first forward's logits from the earliest last input on: a disaggregated draft's first feed of a
+    # sequence is its whole prompt, whose logits it never reads
+    keep = width - int(last.min())
     tokens, probs, raw = [], [], []
     for j in range(k):
-        logits = fit_vocab(draft.forward(inp, inp_valid), vocab)  # [B, T, V]
-        raw.append(logits[batch, last] if j == 0 else logits[:, 0])  # [B, V] after the first step T = 1
+        logits = fit_vocab(draft.forward(inp, inp_valid, keep=keep if j == 0 else None), vocab)  # [B, keep or 1, V]
+        raw.append(logits[batch, last - (width - keep)] if j == 0 else logits[:, 0])  # [B, V]
         if greedy:
             x = greedy_tokens(raw[-1])  # [B]
         else:

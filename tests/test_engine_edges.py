@@ -19,7 +19,7 @@ def _nan_after(model, bad: int):
 
     def broken(*args, input_ids=None, **kwargs):
         out = forward(*args, input_ids=input_ids, **kwargs)
-        out.logits[input_ids == bad] = float("nan")
+        out.logits[input_ids[:, -out.logits.shape[1]:] == bad] = float("nan")  # the logits kept (logits_to_keep)
         return out
 
     model.forward = broken
