@@ -160,6 +160,9 @@ class AppConfig(_Strict):
     # "auto": the engine picks k each step for the batch it runs (osd_serve/auto_k.py); colocated only
     num_speculative_tokens: Annotated[int, Field(ge=0, le=16)] | Literal["auto"] = 4
     max_model_len: int = Field(2048, ge=16)
+    # Prompt positions one engine step prefills (osd_serve/prefill.py): longer prompts are fed in chunks
+    # over steps, the running streams decoding between them. None: all admitted prompts in one forward.
+    prefill_chunk_tokens: int | None = Field(2048, ge=16)
     # Longer prompts are refused before they are tokenized (a 12 MB prompt took 30 s to encode).
     # None: 32 characters per token of max_model_len, far more than any tokenizer's text needs.
     max_prompt_chars: int | None = Field(None, ge=1)

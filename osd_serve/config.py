@@ -117,6 +117,9 @@ class EngineConfig:
     # which requests share its batch (engine._uniforms draws 2·k + 1 uniforms per step).
     auto_k_max: int = 8
     auto_seeded_k: int = 4
+    # Prompt positions one step may prefill, padding included (prefill.py): a longer prompt is fed in
+    # chunks over several steps, and the running rows go on decoding between them. None: no limit.
+    prefill_chunk_tokens: int | None = 2048
 
     def __post_init__(self) -> None:
         _check(_is_int(self.max_batch_size) and self.max_batch_size >= 1, "max_batch_size", "an integer >= 1", self.max_batch_size)
@@ -126,3 +129,5 @@ class EngineConfig:
                f"an integer in [1, {MAX_SPECULATIVE_TOKENS}]", self.auto_k_max)
         _check(_is_int(self.auto_seeded_k) and 0 <= self.auto_seeded_k <= MAX_SPECULATIVE_TOKENS, "auto_seeded_k",
                f"an integer in [0, {MAX_SPECULATIVE_TOKENS}]", self.auto_seeded_k)
+        _check(self.prefill_chunk_tokens is None or (_is_int(self.prefill_chunk_tokens) and self.prefill_chunk_tokens >= 1),
+               "prefill_chunk_tokens", "an integer >= 1 (or None: no limit)", self.prefill_chunk_tokens)

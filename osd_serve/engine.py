@@ -22,6 +22,7 @@ from .config import EngineConfig, SamplingParams
 from .kv import BatchKV, make_hole_safe, pad_right
 from .loading import max_positions
 from .output import Completion, Prompt, Request, StreamDelta, check_prompt, eos_token_ids, fit_max_tokens
+from .prefill import Partial, group_size
 from .sampling import seeded_generator
 from .spec import RowState, broken_rows, speculative_step
 
@@ -106,6 +107,7 @@ class SpecEngine:
         self._target_kv = BatchKV(target, 0, self.device)
         self._draft_kv = BatchKV(draft, 0, self.device)
         self._rows: RowState | None = None
+        self._partial: Partial | None = None  # the queue's head, a prompt over the step budget, being prefilled
         self._ids = itertools.count()
         # Chooses k for "auto" requests; calibrates each batch size on first use (auto_k.py). Shared
         # with another engine on the same pair (bench) through policy.fork().
@@ -168,7 +170,7 @@ class SpecEngine:
         with self._lock:
             for r in itertools.chain(self.waiting, self.running):  # the caller ends them with an error
                 self.finished["abort" if r.finish_reason == "abort" else "error"] += 1
-            self.waiting = deque()
+            self.waiting, self._partial = deque(), None
             self._empty_batch()
             if self.recorder is not None:  # their traces would wait for a finish that never comes
                 self.recorder.drop()
@@ -180,10 +182,29 @@ class SpecEngine:
 
     # ---- one step ---------------------------------------------------------------------------------
     def _admit(self) -> None:
+        """Prefill what this step's budget allows (prefill.py): the prompts at the head of the queue
+        that fit together, or the next chunk of one too long for it; those prefilled join the batch."""
+        budget = self.config.prefill_chunk_tokens
+        if self._partial is not None and (not self.waiting or self.waiting[0] is not self._partial.request):
+            self._partial = None  # aborted mid-prefill: it has left the queue
         room = self.config.max_batch_size - len(self.running)
-        new = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
-        if not new:
+        if room <= 0 or not self.waiting:
             return
+        if self._partial is None:
+            head = [len(self.waiting[i].prompt_ids) - 1 for i in range(min(room, len(self.waiting)))]
+            if budget is None or head[0] <= budget:
+                self._prefill([self.waiting.popleft() for _ in range(group_size(head, budget))])
+                return
+            r = self.waiting[0]
+            self._partial = Partial(r, BatchKV(self.target, 1, self.device), BatchKV(self.draft, 1, self.device),
+                                    r.params.num_speculative_tokens != 0)
+        if self._partial.feed(budget):
+            p, self._partial = self._partial, None
+            self.waiting.popleft()
+            self._join([p.request], p.target, p.draft)
+
+    def _prefill(self, new: list[Request]) -> None:
+        """Prefill ``new`` in one right-padded forward of each model, and join them to the batch."""
         dev, b = self.device, len(new)
         # Prefill all but the last prompt token: it is the first "last" token of the speculative loop.
         ids, valid = pad_right([r.prompt_ids[:-1] for r in new])
@@ -193,6 +214,11 @@ class SpecEngine:
             tkv.forward(ids, valid, keep=1)
             if any(r.params.num_speculative_tokens != 0 for r in new):  # k=0 rows never read the draft
                 dkv.forward(ids, valid, keep=1)
+        self._join(new, tkv, dkv)
+
+    def _join(self, new: list[Request], tkv: BatchKV, dkv: BatchKV) -> None:
+        """Prefilled requests join the running batch, with their caches."""
+        dev, b = self.device, len(new)
         last = torch.tensor([r.prompt_ids[-1] for r in new], device=dev)
         rows = RowState(
             last=last,
@@ -348,6 +374,8 @@ class SpecEngine:
         self.draft_version = version
         if self.running:  # the draft cache holds keys/values of the old weights: recompute it
             self._draft_kv = self._refill_draft_cache()
+        if self._partial is not None:
+            self._partial.redraft(self.draft)
 
     def _refill_draft_cache(self) -> BatchKV:
         """A fresh draft cache holding what the invariant in spec.py says: positions 0..N-1-pending_n."""

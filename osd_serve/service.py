@@ -93,7 +93,8 @@ class SpecService:
         self.versions_dir = versions_dir or Path(os.path.expanduser(cfg.distill.versions_dir))
         self.target, base, self.tokenizer = models or load_models(cfg)
         drafts = {e.name: expert_draft(base, e.adapter, e.name) for e in cfg.experts}
-        econf = EngineConfig(max_batch_size=cfg.max_batch_size, max_model_len=cfg.max_model_len)
+        econf = EngineConfig(max_batch_size=cfg.max_batch_size, max_model_len=cfg.max_model_len,
+                             prefill_chunk_tokens=cfg.prefill_chunk_tokens)
         w = cfg.wandb
         self.telemetry = Telemetry(w.mode, w.project, w.dir, w.log_every_s, config=cfg.without_keys(),
                                    name=f"osd-serve-{replica_tag}")

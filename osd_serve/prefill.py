@@ -1,0 +1,72 @@
+"""How waiting prompts are prefilled before they join the running batch: a token budget per step.
+
+Why a budget: one engine step prefills, then decodes every running row. Without one, a step admitted up
+to max_batch_size prompts in one right-padded forward, so
+- every running row waited for the whole prefill: a 30k-token prompt stalled each stream for as long as
+  its prefill took, and past ``stall_timeout_s`` the replica was replaced as hung (serving.StallWatch);
+- the forward cost (prompts x the longest prompt): a 2,000-token prompt admitted with seven of 10 tokens
+  computed 16,000 positions for 2,070 real ones.
+
+So a step prefills at most ``EngineConfig.prefill_chunk_tokens`` positions, padding included: the prompts
+at the head of the queue that fit together, or the first prompt alone, fed in chunks of that many tokens
+over as many steps (a ``Partial``), each step still decoding the running rows. The queue stays FIFO.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .kv import BatchKV
+from .output import Request
+
+
+def group_size(lengths: list[int], budget: int | None) -> int:
+    """How many prompts at the head of the queue to prefill in one forward.
+
+    lengths  the prefill length of each candidate, in queue order (its prompt less the last token);
+             as many as there is room for in the batch, at least one.
+    budget   positions one forward may compute, padding included; None: no limit (all of them).
+    returns  the longest prefix whose padded forward, count x its longest, fits the budget; at least 1
+             (a first prompt over the budget alone: the caller feeds it in chunks).
+    """
+    n, longest = 0, 0
+    for length in lengths:
+        longest = max(longest, length)
+        if budget is not None and n and (n + 1) * longest > budget:
+            break
+        n += 1
+    return n
+
+
+@dataclass
+class Partial:
+    """One prompt too long for a step's budget, being prefilled a chunk per step. It stays at the head
+    of the engine's queue meanwhile, so it counts as waiting everywhere (load, /admin/experts, abort)."""
+
+    request: Request
+    target: BatchKV  # one row each
+    draft: BatchKV
+    needs_draft: bool  # k = 0 rows never read their draft: its cache is never fed
+    fed: list[int] = field(default_factory=lambda: [0, 0])  # prompt tokens in the target's, the draft's cache
+
+    def feed(self, budget: int) -> bool:
+        """Append the next chunk of up to ``budget`` tokens to each cache; True once both hold the
+        whole prefill (the prompt but its last token, which the first speculative step feeds)."""
+        ids = self.request.prompt_ids[:-1]
+        for i, kv in enumerate((self.target, self.draft)):
+            if i == 1 and not self.needs_draft:
+                continue
+            chunk = ids[self.fed[i] : self.fed[i] + budget]
+            if chunk:
+                dev = kv.length.device
+                x = torch.tensor([chunk], device=dev)  # [1, C]
+                kv.forward(x, torch.ones_like(x, dtype=torch.bool), keep=1)  # a prefill reads no logits
+                self.fed[i] += len(chunk)
+        return self.fed[0] == len(ids) and (self.fed[1] == len(ids) or not self.needs_draft)
+
+    def redraft(self, draft_model) -> None:
+        """New draft weights (a hot swap): the draft's cache holds the old weights' keys, so it is fed
+        again from the start, in chunks as before."""
+        self.draft, self.fed[1] = BatchKV(draft_model, 1, self.draft.length.device), 0
