@@ -157,6 +157,8 @@ class SpecEngine:
                 if not r.finished:
                     r.finish_reason = "abort"
             left = [r for r in self.waiting if r.finished]  # queued ones leave now; running rows at the next step
+            if self._partial is not None and self._partial.request.finished:
+                self._partial = None  # its caches go now: an idle engine takes no next step to drop them
             if left:
                 self.finished.update(r.finish_reason for r in left)
                 self.waiting = deque(r for r in self.waiting if not r.finished)

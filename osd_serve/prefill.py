@@ -7,9 +7,11 @@ to max_batch_size prompts in one right-padded forward, so
 - the forward cost (prompts x the longest prompt): a 2,000-token prompt admitted with seven of 10 tokens
   computed 16,000 positions for 2,070 real ones.
 
-So a step prefills at most ``EngineConfig.prefill_chunk_tokens`` positions, padding included: the prompts
-at the head of the queue that fit together, or the first prompt alone, fed in chunks of that many tokens
-over as many steps (a ``Partial``), each step still decoding the running rows. The queue stays FIFO.
+So a step prefills at most ``EngineConfig.prefill_chunk_tokens`` target positions, padding included: the
+prompts at the head of the queue that fit together, or the first prompt alone, fed in chunks of that many
+tokens over as many steps (a ``Partial``), each step still decoding the running rows. The queue stays FIFO.
+Not counted: the draft's refill after a hot swap (engine._refill_draft_cache, the running rows' whole
+histories) and a swapped draft's catching up (``Partial.feed``): the draft costs a fraction of the target.
 """
 
 from __future__ import annotations
@@ -58,7 +60,10 @@ class Partial:
         for i, kv in enumerate((self.target, self.draft)):
             if i == 1 and not self.needs_draft:
                 continue
-            chunk = ids[self.fed[i] : self.fed[i] + budget]
+            # A draft behind a complete target (swapped mid-prompt) takes the rest at once: swaps that came
+            # faster than its chunks kept the prompt out of the batch for good. The draft is small.
+            n = len(ids) if i == 1 and self.fed[0] == len(ids) else budget
+            chunk = ids[self.fed[i] : self.fed[i] + n]
             if chunk:
                 dev = kv.length.device
                 x = torch.tensor([chunk], device=dev)  # [1, C]
@@ -68,5 +73,5 @@ class Partial:
 
     def redraft(self, draft_model) -> None:
         """New draft weights (a hot swap): the draft's cache holds the old weights' keys, so it is fed
-        again from the start, in chunks as before."""
+        again from the start: in chunks while the target's is incomplete, the rest at once after."""
         self.draft, self.fed[1] = BatchKV(draft_model, 1, self.draft.length.device), 0

@@ -97,7 +97,8 @@ def test_an_abort_mid_prefill_frees_the_queue(tok):
     eng.step(), eng.step()
     assert eng._partial is not None and len(eng.waiting) == 1  # being fed, and still queued
     eng.abort(rid)
-    assert not eng.waiting and eng.finished["abort"] == 1
+    # gone at once, caches and all: an engine with nothing else to do takes no next step to drop them
+    assert not eng.waiting and eng.finished["abort"] == 1 and eng._partial is None and not eng.has_unfinished()
     out = eng.generate([[5, 6, 7]], params)[0]
     assert eng._partial is None and out.token_ids == _hf_greedy(target, [5, 6, 7], 6)
 
@@ -134,6 +135,28 @@ def test_a_draft_swap_mid_prefill_refeeds_the_draft(tok):
     assert req.accepted == req.proposed > 0
 
 
+def test_swaps_faster_than_the_chunks_do_not_keep_a_prompt_out(tok):
+    """A swap every 3 steps while a 59-token prefill goes in chunks of 8: the draft starts over at each,
+    and once the target's cache is complete it takes the rest at once, so the prompt joins at step 8
+    (it never joined: each swap reset the draft before it caught up)."""
+    target = llama(len(tok), seed=3)
+    eng = SpecEngine(target, perturbed(target, 0.015), tok, EngineConfig(max_batch_size=2, prefill_chunk_tokens=8))
+    params = SamplingParams(max_tokens=60, num_speculative_tokens=2, ignore_eos=True)
+    eng.add_request([5, 6, 7], params)
+    eng.step()
+    prompt = list(range(3, 63))
+    long_req = eng.submit([prompt], SamplingParams(max_tokens=6, num_speculative_tokens=2, ignore_eos=True))[0]
+    state = {n: t.clone() for n, t in eng.draft.state_dict().items()}
+    for n in range(1, 9):
+        if n % 3 == 0:
+            eng.swap_draft(state, n)
+        eng.step()
+    assert long_req in eng.running
+    while eng.has_unfinished():
+        eng.step()
+    assert long_req.output_ids == _hf_greedy(target, prompt, 6)
+
+
 def test_seeded_sampling_does_not_depend_on_the_budget(tok):
     """Each request's uniforms come from its own generator: chunked or not, the same seed samples the
     same tokens (the prefill's values agree to float rounding, far from any sampled boundary here)."""
@@ -153,3 +176,7 @@ def test_the_budget_is_checked():
     with pytest.raises(ValueError, match="prefill_chunk_tokens"):
         AppConfig(prefill_chunk_tokens=8)
     assert AppConfig(prefill_chunk_tokens=None).prefill_chunk_tokens is None
+    # the disaggregated Verifier feeds whole prompts: a budget set there would be ignored without a word
+    with pytest.raises(ValueError, match="prefill_chunk_tokens: only the colocated engine"):
+        AppConfig(topology="disaggregated", prefill_chunk_tokens=512, distill={"backend": "ray_train"})
+    assert AppConfig(topology="disaggregated", distill={"backend": "ray_train"}).topology == "disaggregated"

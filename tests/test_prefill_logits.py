@@ -20,7 +20,7 @@ from tests.test_engine import _hf_greedy
 
 
 class NoKeepLlama(LlamaForCausalLM):
-    """A causal LM whose forward takes no logits_to_keep (as models from before transformers 4.45)."""
+    """A causal LM whose forward takes no logits_to_keep (a custom model, or transformers 4.4x's num_logits_to_keep)."""
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, use_cache=None,
                 **kwargs):  # generate()'s own arguments (return_dict, ...); logits_to_keep is not among them
