@@ -217,9 +217,10 @@ class AppConfig(_Strict):
         if self.topology == "disaggregated" and self.num_speculative_tokens == "auto":
             raise ValueError("num_speculative_tokens: 'auto' needs the colocated topology (its engine times the "
                              "draft and the target of each step together); give an integer")
-        if self.topology == "disaggregated" and "prefill_chunk_tokens" in self.model_fields_set:
+        # Not fields_set: each deployment validates the dumped config again, default included
+        if self.topology == "disaggregated" and self.prefill_chunk_tokens != type(self).model_fields["prefill_chunk_tokens"].default:
             raise ValueError("prefill_chunk_tokens: only the colocated engine prefills in chunks (a disaggregated "
-                             "Verifier feeds a sequence's whole prompt with its first verification); leave it out")
+                             "Verifier feeds a sequence's whole prompt with its first verification); leave it at its default")
         if self.topology == "disaggregated" and self.distill.enabled and self.distill.backend != "ray_train":
             raise ValueError("distill.backend: the disaggregated topology distils with backend ray_train (no "
                              "replica holds both models to train beside); set it, or distill.enabled: false")
