@@ -42,7 +42,7 @@ class StepStats:
     emitted: int  # tokens added to outputs (accepted + one target token per row, less any cut by a stop)
     draft_time: float  # seconds in draft forwards
     target_time: float  # seconds in the target forward and verification
-    prefill_time: float  # seconds prefilling requests that joined before this step
+    prefill_time: float  # seconds prefilling before this step (and in the steps since the last stats)
     auto_k: int | None = None  # the k chosen for this step's "auto" rows (None: no row asked for it)
     # [k] rows whose j-th draft token was tested: proposed and every earlier one accepted. A draft after
     # a rejection is proposed but never tested, so accepted/proposed at j is P(first j+1 accepted), not α_j.
@@ -108,6 +108,7 @@ class SpecEngine:
         self._draft_kv = BatchKV(draft, 0, self.device)
         self._rows: RowState | None = None
         self._partial: Partial | None = None  # the queue's head, a prompt over the step budget, being prefilled
+        self._prefill_unreported = 0.0  # seconds of prefill in steps that returned no stats
         self._ids = itertools.count()
         # Chooses k for "auto" requests; calibrates each batch size on first use (auto_k.py). Shared
         # with another engine on the same pair (bench) through policy.fork().
@@ -267,8 +268,11 @@ class SpecEngine:
         self._drop_finished()
         self._apply_swap()
         self._admit()
-        prefill = time.perf_counter() - t0
+        # A step that only fed a prompt's chunk has no stats: its time goes into the next step's, so
+        # prefill_time still sums to all prefill (bench.py splits an engine's time by it)
+        prefill, self._prefill_unreported = self._prefill_unreported + time.perf_counter() - t0, 0.0
         if not self.running:
+            self._prefill_unreported = prefill
             return [], None
         rows = self._rows
         t_loop, calibrating = time.perf_counter(), self.policy.calibration_seconds

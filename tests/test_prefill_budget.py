@@ -77,6 +77,26 @@ def test_running_rows_decode_while_a_long_prompt_is_fed(tok):
     assert eng.finished["length"] == 2
 
 
+def test_prefill_time_is_reported_by_the_next_steps_stats(tok):
+    """Steps that only feed a chunk (nothing running) return no stats; their prefill time is in the
+    first stats after them, so the stats' prefill_time sums to every step's (bench.py's split)."""
+    import time
+
+    target = llama(len(tok), seed=3)
+    eng = SpecEngine(target, perturbed(target, 0.015), tok, EngineConfig(max_batch_size=1, prefill_chunk_tokens=8))
+    admit = eng._admit
+
+    def slow_admit():  # 50 ms of prefill a step, whatever the chunk
+        time.sleep(0.05)
+        admit()
+
+    eng._admit = slow_admit
+    stats = []
+    eng.generate([list(range(3, 63))], SamplingParams(max_tokens=3, num_speculative_tokens=0, ignore_eos=True), stats=stats)
+    # 59 prefill tokens in chunks of 8: 7 steps with no stats, then the one that joins and decodes
+    assert stats[0].prefill_time >= 8 * 0.05 and all(0.05 <= st.prefill_time < 0.4 for st in stats[1:])
+
+
 def test_prompts_of_unlike_lengths_are_prefilled_apart(tok):
     """A 40-token prompt queued with three of 3 tokens under a budget of 50: two forwards of 39 and
     3 x 2 positions, not one of 4 x 39 (156, of which 45 real)."""
@@ -179,4 +199,6 @@ def test_the_budget_is_checked():
     # the disaggregated Verifier feeds whole prompts: a budget set there would be ignored without a word
     with pytest.raises(ValueError, match="prefill_chunk_tokens: only the colocated engine"):
         AppConfig(topology="disaggregated", prefill_chunk_tokens=512, distill={"backend": "ray_train"})
-    assert AppConfig(topology="disaggregated", distill={"backend": "ray_train"}).topology == "disaggregated"
+    dis = AppConfig(topology="disaggregated", distill={"backend": "ray_train"})
+    # as each deployment validates it again: the dumped default must pass (it failed every disaggregated replica)
+    assert AppConfig(**dis.without_keys()).prefill_chunk_tokens == 2048
