@@ -66,6 +66,22 @@ def test_keep_returns_the_last_columns_logits(make, keep):
                 kv.truncate(torch.tensor([6, 2, 1]))  # lengths were 7, 3, 1
 
 
+def test_a_batchkv_reads_its_models_signature_once_per_class(monkeypatch):
+    """A disaggregated slab splits into a BatchKV per row whenever its batch changes: inspect.signature
+    for each made a split of 256 rows 2.4x slower."""
+    import inspect
+
+    import osd_serve.kv as kv_mod
+
+    model = llama(40)
+    BatchKV(model, 1, torch.device("cpu"))  # the class's parameters read once
+    calls = []
+    real = inspect.signature
+    monkeypatch.setattr(kv_mod.inspect, "signature", lambda f: calls.append(f) or real(f))
+    kvs = [BatchKV(model, 1, torch.device("cpu")) for _ in range(50)]
+    assert calls == [] and all(kv.keeps_logits for kv in kvs)
+
+
 def test_keep_outside_the_inputs_is_refused():
     kv = BatchKV(llama(40), 1, torch.device("cpu"))
     ids, valid = pad_right([[5, 6, 7]])
