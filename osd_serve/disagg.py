@@ -5,7 +5,8 @@ deployments (a draft pool and a verifier, each batching across sequences); tests
 Why every call carries the sequence's whole token history: a worker keeps each sequence's KV cache
 (keyed by sequence id, so the router sends a sequence back to the worker that has it), but when a
 sequence lands on a worker without its cache (a new replica, an eviction, a restart) the worker
-recomputes it in the same forward. Affinity is an optimisation, never a correctness requirement.
+recomputes it in the same forward (or, if long, in one of its own first: prefill.apart). Affinity is an
+optimisation, never a correctness requirement.
 
 Draft-ahead: after answering, a draft worker keeps drafting while the target verifies, assuming all k
 proposals will be accepted and guessing the target's bonus token with its own. When the guess is
@@ -28,6 +29,7 @@ from .config import is_greedy
 from .engine import StepStats, check_state_fits
 from .kv import BatchKV, make_hole_safe, pad_right
 from .output import Request, StreamDelta
+from .prefill import APART_OVERHEAD, apart
 from .sampling import seeded_generator
 from .spec import RowState, accept, broken_rows, fit_vocab, propose
 
@@ -145,6 +147,7 @@ class SeqCaches:
         self.slab = BatchKV(model, 0, device)
         self.slab_ids: list[str] = []
         self.tokens: dict[str, list[int]] = {}  # seq id -> tokens its cache holds (positions 0..n-1)
+        self.prefed: list[int] = []  # per row of the last gather, history tokens it fed apart (_apart)
         # Detached rows and when they left the slab, least recently used first.
         self._rows: OrderedDict[str, tuple[BatchKV, float]] = OrderedDict()
 
@@ -155,6 +158,8 @@ class SeqCaches:
         # has it at its first place only. Another place recomputes in full and is never recorded: its
         # cache, taken for the first's at the next call, gave a verdict from another history.
         firsts = _firsts(seq_ids)
+        pre = self._apart(seq_ids, histories, firsts)  # before any state changes: a forward may raise
+        self.prefed = [len(pre[s][1]) if own and s in pre else 0 for s, own in zip(seq_ids, firsts)]
         if seq_ids != self.slab_ids:
             staying, now = set(seq_ids), self.clock()
             for sid, row, own in zip(self.slab_ids, self.slab.split(), _firsts(self.slab_ids)):
@@ -165,7 +170,9 @@ class SeqCaches:
             parts = []
             for sid, own in zip(seq_ids, firsts):
                 row = self._rows.pop(sid, (None,))[0] if own else None
-                if row is None:
+                if own and sid in pre:
+                    row, self.tokens[sid] = pre[sid]
+                elif row is None:
                     if own:
                         self.tokens[sid] = []
                     row = BatchKV(self.model, 1, self.device)
@@ -189,6 +196,23 @@ class SeqCaches:
         if self.slab.hole_fraction() > 0.5:  # rejected drafts leave holes; as the colocated engine does
             self.slab.compact()
         return self.slab, [h[n:] for h, n in zip(histories, keep)]
+
+    def _apart(self, seq_ids: list[str], histories: list[list[int]], firsts: list[bool]) -> dict:
+        """New sequences worth a prefill of their own (prefill.apart): seq id -> (a one-row cache holding
+        its history but the last token, those tokens). Only rows with no cache here: the merge takes them."""
+        fresh = [own and s not in self.tokens and s not in self.slab_ids for s, own in zip(seq_ids, firsts)]
+        if len(seq_ids) < 2 or not any(f and len(h) > APART_OVERHEAD for f, h in zip(fresh, histories)):
+            return {}  # the common case, decided without comparing any history
+        feeds = [len(h) if f else len(h) - min(_lcp(self.tokens.get(s, []), h), len(h) - 1)
+                 for s, h, f in zip(seq_ids, histories, fresh)]
+        pre = {}
+        for s, h, go in zip(seq_ids, histories, apart(feeds, fresh)):
+            if go:
+                kv = BatchKV(self.model, 1, self.device)
+                ids = torch.tensor([h[:-1]], device=self.device)  # [1, n]
+                kv.forward(ids, torch.ones_like(ids, dtype=torch.bool), keep=1)  # a prefill reads no logits
+                pre[s] = (kv, list(h[:-1]))
+        return pre
 
     def set_tokens(self, seq_ids: list[str], tokens: list[list[int]]) -> None:
         for sid, t, own in zip(seq_ids, tokens, _firsts(seq_ids)):
@@ -368,7 +392,8 @@ class TargetVerifier:
         self.caches.set_tokens(ids, [h + it.draft[:a] for h, it, a in zip(hist, items, n_acc_l)])
         # A broken row keeps its tokens: a router of the release before `broken` appends them (as it
         # did) rather than verifying the same history again forever; run_request drops them.
-        verdicts = [Verdict(t[: a + 1], a, len(f) - 1, bad) for t, a, f, bad in zip(tokens, n_acc_l, feeds, broken)]
+        verdicts = [Verdict(t[: a + 1], a, len(f) - 1 + n, bad)
+                    for t, a, f, n, bad in zip(tokens, n_acc_l, feeds, self.caches.prefed, broken)]
         for it in (it for it, bad in zip(items, broken) if bad):
             _log.warning("sequence %s ended: the target's logits were NaN", it.seq_id)
         return verdicts, self._stats(items, verdicts, time.perf_counter() - t0)

@@ -75,3 +75,33 @@ class Partial:
         """New draft weights (a hot swap): the draft's cache holds the old weights' keys, so it is fed
         again from the start: in chunks while the target's is incomplete, the rest at once after."""
         self.draft, self.fed[1] = BatchKV(draft_model, 1, self.draft.length.device), 0
+
+
+# A forward's fixed cost, in positions: below it, a forward of its own costs more than the padding it saves
+APART_OVERHEAD = 32
+
+
+def apart(feeds: list[int], fresh: list[bool], overhead: int = APART_OVERHEAD) -> list[bool]:
+    """Which new sequences a disaggregated worker prefills in a forward of their own before its batch forward.
+
+    Why: a worker's batch forward is right-padded, so a new sequence's first call, whose feed is its whole
+    prompt, made every row of the batch compute that many positions: one 2,000-token prompt among 8
+    decoding rows cost 9 x 2,000 positions for 2,000 + 8 x (k+1) real ones.
+
+    feeds    each row's feed in the batch forward (a new sequence's: its whole history);
+    fresh    rows with no cache on the worker, the only ones that can be fed apart before the batch forms.
+    returns  per row, whether to feed its history but the last token apart (its feed is then that token).
+             The longest new rows go apart while that lowers the positions computed: B x the longest feed
+             left, plus each apart row's prefix and ``overhead``. Prompts of like lengths stay batched.
+    """
+    b = len(feeds)
+    order = sorted((i for i in range(b) if fresh[i]), key=lambda i: -feeds[i])
+    best, best_cost, prefix = 0, b * max(feeds, default=0), 0
+    for j, i in enumerate(order, 1):
+        prefix += feeds[i] - 1 + overhead
+        out = set(order[:j])
+        cost = b * max((1 if r in out else feeds[r]) for r in range(b)) + prefix
+        if cost < best_cost:
+            best, best_cost = j, cost
+    chosen = set(order[:best])
+    return [r in chosen for r in range(b)]
