@@ -200,13 +200,14 @@ class SeqCaches:
     def _apart(self, seq_ids: list[str], histories: list[list[int]], firsts: list[bool]) -> dict:
         """New sequences worth a prefill of their own (prefill.apart): seq id -> (a one-row cache holding
         its history but the last token, those tokens). Only rows with no cache here: the merge takes them."""
-        fresh = [own and s not in self.tokens and s not in self.slab_ids for s, own in zip(seq_ids, firsts)]
+        in_slab = set(self.slab_ids)
+        fresh = [own and s not in self.tokens and s not in in_slab for s, own in zip(seq_ids, firsts)]
         if len(seq_ids) < 2 or not any(f and len(h) > APART_OVERHEAD for f, h in zip(fresh, histories)):
             return {}  # the common case, decided without comparing any history
         feeds = [len(h) if f else len(h) - min(_lcp(self.tokens.get(s, []), h), len(h) - 1)
                  for s, h, f in zip(seq_ids, histories, fresh)]
         pre = {}
-        for s, h, go in zip(seq_ids, histories, apart(feeds, fresh)):
+        for s, h, go in zip(seq_ids, histories, apart(feeds, fresh, APART_OVERHEAD)):
             if go:
                 kv = BatchKV(self.model, 1, self.device)
                 ids = torch.tensor([h[:-1]], device=self.device)  # [1, n]

@@ -85,23 +85,29 @@ def apart(feeds: list[int], fresh: list[bool], overhead: int = APART_OVERHEAD) -
     """Which new sequences a disaggregated worker prefills in a forward of their own before its batch forward.
 
     Why: a worker's batch forward is right-padded, so a new sequence's first call, whose feed is its whole
-    prompt, made every row of the batch compute that many positions: one 2,000-token prompt among 8
-    decoding rows cost 9 x 2,000 positions for 2,000 + 8 x (k+1) real ones.
+    prompt, made every row of the batch compute that many positions: one 1,800-token prompt among 7
+    decoding rows cost 8 x 1,804 positions for 1,800 + 8 x (k+1) real ones (8.5x the time of prefilling
+    it apart on the default pair, benchmarks/results/disagg_apart.json).
 
     feeds    each row's feed in the batch forward (a new sequence's: its whole history);
     fresh    rows with no cache on the worker, the only ones that can be fed apart before the batch forms.
     returns  per row, whether to feed its history but the last token apart (its feed is then that token).
-             The longest new rows go apart while that lowers the positions computed: B x the longest feed
-             left, plus each apart row's prefix and ``overhead``. Prompts of like lengths stay batched.
+             The longest new rows go apart if that at least halves the positions computed (B x the longest
+             feed left, plus each apart row's prefix and ``overhead``, a forward's fixed cost): a forward
+             of its own costs more than its positions say (on a GPU, reading every weight once more), so
+             only a clear saving pays. Prompts of like lengths stay batched.
     """
     b = len(feeds)
     order = sorted((i for i in range(b) if fresh[i]), key=lambda i: -feeds[i])
-    best, best_cost, prefix = 0, b * max(feeds, default=0), 0
+    rest = max((f for f, new in zip(feeds, fresh) if not new), default=0)  # rows that stay, whatever is chosen
+    padded = b * max(feeds, default=0)
+    best, best_cost, prefix = 0, padded, 0
     for j, i in enumerate(order, 1):
         prefix += feeds[i] - 1 + overhead
-        out = set(order[:j])
-        cost = b * max((1 if r in out else feeds[r]) for r in range(b)) + prefix
-        if cost < best_cost:
-            best, best_cost = j, cost
+        longest = max(rest, feeds[order[j]] if j < len(order) else 0, 1)  # an apart row feeds its last token
+        if b * longest + prefix < best_cost:
+            best, best_cost = j, b * longest + prefix
+    if 2 * best_cost > padded:
+        best = 0
     chosen = set(order[:best])
     return [r in chosen for r in range(b)]

@@ -28,6 +28,8 @@ def test_apart_takes_the_long_new_rows_out_while_it_saves_positions():
     assert apart([2000, 1800] + [1] * 6, [True, True] + [False] * 6) == [True, True] + [False] * 6  # both, not the first alone
     assert apart([200] * 8, [True] * 8) == [False] * 8  # like lengths: one padded forward is cheapest
     assert apart([2000], [True]) == [False]  # alone, a forward of its own saves nothing
+    # 2 x 64 padded against 2 x 5 + 63 + 32: a saving, but not half; an extra forward costs more than it says
+    assert apart([64, 5], [True, False]) == [False, False]
     assert apart([2000] + [1] * 8, [False] * 9) == [False] * 9  # a row with a cache here is never taken
 
 

@@ -1,0 +1,67 @@
+"""A disaggregated Verifier's call when a long new sequence joins decoding ones: its prompt prefilled in a
+forward of its own (prefill.apart) against the whole batch padded to it (the behaviour before), same
+target and items, interleaved rounds. In process: the Verifier's compute, without Ray Serve.
+
+    python benchmarks/disagg_apart.py --pair DIR [--decoding 7] [--long 1800] [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import osd_serve.disagg as disagg
+from osd_serve.disagg import Sampling, TargetVerifier, VerifyItem
+from osd_serve.loading import ModelConfig, load_pair
+
+
+def _call(target, decoding: int, long_len: int, k: int, apart: bool) -> float:
+    """Seconds of the verify call that brings the long sequence, the decoding ones' caches warm."""
+    disagg.APART_OVERHEAD = 32 if apart else 10**9  # 10**9: no history is ever long enough to look at
+    v = TargetVerifier(target, target.config.vocab_size)
+    g = torch.Generator().manual_seed(0)
+    vocab = target.config.vocab_size
+    hists = [torch.randint(3, vocab, (20,), generator=g).tolist() for _ in range(decoding)]
+    v.verify([VerifyItem(f"d{i}", h, [3] * k, None, Sampling()) for i, h in enumerate(hists)])
+    items = [VerifyItem(f"d{i}", h + [3] * (k + 1), [4] * k, None, Sampling()) for i, h in enumerate(hists)]
+    items.append(VerifyItem("new", torch.randint(3, vocab, (long_len,), generator=g).tolist(), [5] * k, None, Sampling()))
+    t0 = time.perf_counter()
+    v.verify(items)
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pair", required=True)
+    ap.add_argument("--decoding", type=int, default=7)
+    ap.add_argument("--long", type=int, default=1800)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    target, _, _ = load_pair(ModelConfig(target=str(Path(args.pair) / "target"), draft=str(Path(args.pair) / "draft"),
+                                         device="cpu"))
+    times = {"padded": [], "apart": []}
+    for r in range(args.rounds + 1):  # round 0 warms up
+        for label in times:
+            dt = _call(target, args.decoding, args.long, args.k, label == "apart")
+            if r:
+                times[label].append(dt)
+    med = {label: statistics.median(t) for label, t in times.items()}
+    row = {"decoding": args.decoding, "long_prompt": args.long, "k": args.k, "rounds": args.rounds,
+           "padded_s": round(med["padded"], 4), "apart_s": round(med["apart"], 4),
+           "speedup": round(med["padded"] / med["apart"], 3)}
+    print(json.dumps(row))
+    if args.out:
+        Path(args.out).write_text(json.dumps(row, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
