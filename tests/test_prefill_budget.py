@@ -202,3 +202,27 @@ def test_the_budget_is_checked():
     dis = AppConfig(topology="disaggregated", distill={"backend": "ray_train"})
     # as each deployment validates it again: the dumped default must pass (it failed every disaggregated replica)
     assert AppConfig(**dis.without_keys()).prefill_chunk_tokens == 2048
+
+
+def test_the_serve_configs_budget_reaches_every_experts_engine(tok, tmp_path):
+    """AppConfig.prefill_chunk_tokens is what each expert's engine prefills a step, through SpecService."""
+    import asyncio
+
+    from deployments.config import AppConfig
+    from osd_serve.service import SpecService
+
+    target = llama(len(tok), seed=3)
+    cfg = AppConfig(prefill_chunk_tokens=16, experts=[{"name": "default"}, {"name": "code", "keywords": ["def "]}],
+                    distill={"enabled": False, "versions_dir": str(tmp_path)}, wandb={"mode": "disabled"})
+    svc = SpecService(cfg, models=(target, perturbed(target, 0.05), tok))
+    try:
+        assert {n: e.config.prefill_chunk_tokens for n, e in svc.server.engines.items()} == {"default": 16, "code": 16}
+        fed = Fed(target)
+
+        async def run():
+            return [d async for d in svc.stream("default", "x" * 60, SamplingParams(max_tokens=4, temperature=0))]
+
+        assert asyncio.run(run())
+        assert max(fed.sizes) <= 16  # 60 characters' prompt in chunks of 16 (the decode forwards feed 1 row of k+1)
+    finally:
+        svc.close()
