@@ -8,16 +8,20 @@ target and items, interleaved rounds. In process: the Verifier's compute, withou
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-import osd_serve.disagg as disagg
-from osd_serve.disagg import Sampling, TargetVerifier, VerifyItem
-from osd_serve.loading import ModelConfig, load_pair
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import osd_serve.disagg as disagg  # noqa: E402
+from benchmarks.rounds import interleaved, load_pair_dir  # noqa: E402
+from osd_serve.disagg import Sampling, TargetVerifier, VerifyItem  # noqa: E402
 
 
 def _call(target, decoding: int, long_len: int, k: int, apart: bool) -> float:
@@ -46,14 +50,9 @@ def main() -> None:
     ap.add_argument("--out")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    target, _, _ = load_pair(ModelConfig(target=str(Path(args.pair) / "target"), draft=str(Path(args.pair) / "draft"),
-                                         device="cpu"))
-    times = {"padded": [], "apart": []}
-    for r in range(args.rounds + 1):  # round 0 warms up
-        for label in times:
-            dt = _call(target, args.decoding, args.long, args.k, label == "apart")
-            if r:
-                times[label].append(dt)
+    target, _, _ = load_pair_dir(args.pair)
+    times = interleaved({label: functools.partial(_call, target, args.decoding, args.long, args.k, label == "apart")
+                         for label in ("padded", "apart")}, args.rounds)
     med = {label: statistics.median(t) for label, t in times.items()}
     row = {"decoding": args.decoding, "long_prompt": args.long, "k": args.k, "rounds": args.rounds,
            "padded_s": round(med["padded"], 4), "apart_s": round(med["apart"], 4),

@@ -13,16 +13,20 @@ has its first token:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from osd_serve.config import EngineConfig, SamplingParams
-from osd_serve.engine import SpecEngine
-from osd_serve.loading import ModelConfig, load_pair
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.rounds import interleaved, load_pair_dir  # noqa: E402
+from osd_serve.config import EngineConfig, SamplingParams  # noqa: E402
+from osd_serve.engine import SpecEngine  # noqa: E402
 
 
 def _run(target, draft, tok, budget: int | None, long_len: int, k: int) -> dict:
@@ -59,15 +63,10 @@ def main() -> None:
     ap.add_argument("--out")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    target, draft, tok = load_pair(ModelConfig(target=str(Path(args.pair) / "target"), draft=str(Path(args.pair) / "draft"),
-                                               device="cpu"))
+    target, draft, tok = load_pair_dir(args.pair)
     budgets = [None if b == "none" else int(b) for b in args.budgets]
-    runs: dict[str, list[dict]] = {str(b): [] for b in budgets}
-    for r in range(args.rounds + 1):  # round 0 warms up
-        for b in budgets:
-            res = _run(target, draft, tok, b, args.long, args.k)
-            if r:
-                runs[str(b)].append(res)
+    runs = interleaved({str(b): functools.partial(_run, target, draft, tok, b, args.long, args.k) for b in budgets},
+                       args.rounds)
     rows = []
     for b in budgets:
         got = runs[str(b)]

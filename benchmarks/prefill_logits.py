@@ -11,14 +11,20 @@ the default pair's vocabulary is 4,096, real ones reach 152k, and the lm_head's 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from osd_serve.kv import BatchKV, make_hole_safe
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.rounds import interleaved  # noqa: E402
+from osd_serve.kv import BatchKV, make_hole_safe  # noqa: E402
 
 
 def _random_model(vocab: int):
@@ -58,12 +64,8 @@ def main() -> None:
         params = sum(p.numel() for p in model.parameters())
         for b in args.batch:
             ids = torch.randint(3, vocab, (b, args.prompt), generator=torch.Generator().manual_seed(0))  # [B, T]
-            times = {"all_logits": [], "keep_1": []}
-            for r in range(args.rounds + 1):  # round 0 warms up
-                for label, keep in (("all_logits", None), ("keep_1", 1)):
-                    dt = _prefill(model, ids, keep)
-                    if r:
-                        times[label].append(dt)
+            times = interleaved({"all_logits": functools.partial(_prefill, model, ids, None),
+                                 "keep_1": functools.partial(_prefill, model, ids, 1)}, args.rounds)
             med = {k: statistics.median(v) for k, v in times.items()}
             row = {"model": name, "params": params, "vocab": vocab, "batch": b, "prompt_tokens": args.prompt,
                    "all_logits_s": round(med["all_logits"], 4), "keep_1_s": round(med["keep_1"], 4),

@@ -1,0 +1,28 @@
+"""What the prefill and disaggregation benchmarks share: a bootstrap pair loaded from its directory, and
+runs timed in interleaved rounds, so drift of a shared machine hits every variant alike."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+from osd_serve.loading import ModelConfig, load_pair
+
+T = TypeVar("T")
+
+
+def load_pair_dir(pair: str | Path):
+    """(target, draft, tokenizer) of an ``osd-serve bootstrap`` directory (target/ and draft/), on the CPU."""
+    return load_pair(ModelConfig(target=str(Path(pair) / "target"), draft=str(Path(pair) / "draft"), device="cpu"))
+
+
+def interleaved(runs: dict[str, Callable[[], T]], rounds: int) -> dict[str, list[T]]:
+    """Each run once per round, in turn, for ``rounds`` rounds after one that warms up and is dropped."""
+    out: dict[str, list[T]] = {label: [] for label in runs}
+    for r in range(rounds + 1):
+        for label, run in runs.items():
+            res = run()
+            if r:
+                out[label].append(res)
+    return out
