@@ -187,9 +187,7 @@ class SpecEngine:
     def _admit(self) -> None:
         """Prefill what this step's budget allows (prefill.py): the prompts at the head of the queue
         that fit together, or the next chunk of one too long for it; those prefilled join the batch."""
-        budget = self.config.prefill_chunk_tokens
-        if self._partial is not None and (not self.waiting or self.waiting[0] is not self._partial.request):
-            self._partial = None  # aborted mid-prefill: it has left the queue
+        budget = self.config.prefill_chunk_tokens  # (an abort or reset drops self._partial with its request)
         room = self.config.max_batch_size - len(self.running)
         if room <= 0 or not self.waiting:
             return
