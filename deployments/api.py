@@ -3,7 +3,8 @@ run behind Ray Serve (the Router in deployments/app.py) and in-process in tests.
 
 Backend:
     async stream(expert, prompt, params) -> async iterator of dicts
-        {"text", "token_ids", "finished", "finish_reason", "prompt_tokens"}; raises ValueError on bad input
+        {"text", "token_ids", "finished", "finish_reason", "prompt_tokens", "logprobs" (optional: logprobs.render's
+        entries of token_ids, when asked for)}; raises ValueError on bad input
     experts() -> list[str]
     async ready() -> str | None; raises (or never returns) while the engine behind it cannot serve, else
         returns None or a warning: /health
@@ -261,17 +262,19 @@ def make_app(backend, cfg: AppConfig) -> FastAPI:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         if req.stream:
             async def events():
-                n, n_tok, failed = 0, 0, None
+                n, n_tok, failed, at = 0, 0, None, 0  # at: the token texts' length so far (a completion's text_offset)
                 try:
                     async for d in _chain(first, it):
                         n_tok += len(d["token_ids"])
                         if d["finish_reason"] == "error":  # headers are sent: the error goes in the stream
                             failed = engine_failed()
                             break
-                        if d["text"] or d["finished"] or n == 0:
+                        lps = d.get("logprobs")  # tokens whose text is held back (a stop string's prefix) come with theirs
+                        if d["text"] or d["finished"] or n == 0 or lps:
                             yield sse(chunk_body(rid, model, d["text"], d["finish_reason"] if d["finished"] else None, chat, created,
-                                                 n == 0, include_usage))
+                                                 n == 0, include_usage, lps, at))
                             n += 1
+                            at += sum(len(e["token"]) for e in lps or ())
                 except Exception as e:  # noqa: BLE001  a replica died mid-stream: the stream was cut with no end
                     failed = backend_failed(e)
                 if failed is not None:
@@ -282,17 +285,20 @@ def make_app(backend, cfg: AppConfig) -> FastAPI:
 
             return _ClosingStream(events(), it, media_type="text/event-stream", headers={"x-osd-expert": expert})
 
-        text, n_tok, finish = "", 0, None
+        text, n_tok, finish, lps = "", 0, None, [] if params.logprobs is not None else None
         try:
             async for d in _chain(first, it):
                 text += d["text"]
                 n_tok += len(d["token_ids"])
                 finish = d["finish_reason"]
+                if lps is not None:
+                    lps.extend(d.get("logprobs") or ())
         except Exception as e:  # noqa: BLE001  as above, for a whole completion
             raise backend_failed(e) from None
         if finish == "error":
             raise engine_failed()
-        return JSONResponse(completion_body(rid, model, text, finish, usage(n_tok), chat, created), headers={"x-osd-expert": expert})
+        return JSONResponse(completion_body(rid, model, text, finish, usage(n_tok), chat, created, lps),
+                            headers={"x-osd-expert": expert})
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -31,6 +31,7 @@ from ray import serve
 from osd_serve.config import SamplingParams
 from osd_serve.disagg import DraftWorker, ProposeItem, Proposal, TargetVerifier, Verdict, VerifyItem, run_request, version_row
 from osd_serve.distill.versions import VersionStore, read_manifest
+from osd_serve.logprobs import delta_body
 from osd_serve.output import Request, finish_counts, fit_max_tokens
 from osd_serve.protocol import UnknownExpert
 from osd_serve.serving import StallWatch
@@ -405,8 +406,7 @@ class DisaggBackend:
         try:
             try:
                 async for d in run_request(req, seed, self.tokenizer, self.eos, drafts.propose.remote, verifier.verify.remote):
-                    yield {"text": d.text, "token_ids": d.token_ids, "finished": d.finished, "finish_reason": d.finish_reason,
-                           "prompt_tokens": len(ids)}
+                    yield delta_body(d, self.tokenizer, len(ids))
             except Exception as e:  # noqa: BLE001  a failed call (a replica died, a full queue): raised to the API
                 # which answers as colocated: before the first token a 503 for a full queue, else a 500 (logged
                 # there); after it, the stream's error event, or the whole completion's 503 or 500

@@ -21,6 +21,7 @@ FLOAT32_MAX = 3.4028234663852886e38  # a temperature above it is inf in float32:
 # as the rows hold it (spec.RowState): greedy there, so greedy everywhere, or a row read as sampled here
 # asks the draft for the probabilities an all-greedy batch never computes.
 FLOAT32_ZERO = 2.0**-150
+MAX_LOGPROBS = 20  # alternatives per generated token: OpenAI's top_logprobs limit (and vLLM's default max_logprobs)
 
 
 def is_greedy(temperature: float) -> bool:
@@ -67,6 +68,9 @@ class SamplingParams:
     # Draft tokens proposed per step for this request; 0 is plain decoding through the same path.
     # "auto": the engine picks k each step for the batch it runs (auto_k.py).
     num_speculative_tokens: int | str = 4
+    # None: no logprobs. n: each generated token's logprob under the target, and its n likeliest
+    # alternatives (logprobs.py)
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -92,6 +96,8 @@ class SamplingParams:
             f"an integer in [0, {MAX_SPECULATIVE_TOKENS}] or {AUTO!r}",
             k,
         )
+        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs",
+               f"an integer in [0, {MAX_LOGPROBS}] (or None)", self.logprobs)
 
     @property
     def greedy(self) -> bool:

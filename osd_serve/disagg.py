@@ -28,6 +28,7 @@ import torch
 from .config import is_greedy
 from .engine import StepStats, check_state_fits
 from .kv import BatchKV, make_hole_safe, pad_right
+from .logprobs import step_logprobs
 from .output import Request, StreamDelta
 from .prefill import APART_OVERHEAD, apart
 from .sampling import seeded_generator
@@ -97,6 +98,7 @@ class VerifyItem:
     expert: str = "default"
     prompt_len: int = 0  # where the response starts in history (replay records index the response)
     draft_version: int = 0
+    logprobs: int | None = None  # the request's logprobs (SamplingParams.logprobs): alternatives per token
 
 
 @dataclass
@@ -105,6 +107,7 @@ class Verdict:
     accepted: int
     recomputed: int  # history tokens this step fed because the worker lacked them (0 on a cache hit)
     broken: bool = False  # the target's logits ranked nothing (NaN): the tokens are not its; the request ends in an error
+    logprobs: list | None = None  # a TokenLogprob per token, if the item asked for them (logprobs.py)
 
 
 def _lcp(a: list[int], b: list[int]) -> int:
@@ -375,6 +378,7 @@ class TargetVerifier:
         u = u.to(dev)
         tokens, n_acc, _ = accept(logits, rows, draft, q, u)
         broken = broken_rows(logits, n_acc).tolist()  # [B]: argmax and sampling would have said token 0
+        lps = step_logprobs(logits, tokens, n_acc, [it.logprobs for it in items])
         n_acc_l, tokens = n_acc.tolist(), tokens.tolist()
         if self.recorder is not None:
             if q is None:  # all greedy: the draft's q is one-hot at its tokens (padding past k_i is never read)
@@ -393,8 +397,8 @@ class TargetVerifier:
         self.caches.set_tokens(ids, [h + it.draft[:a] for h, it, a in zip(hist, items, n_acc_l)])
         # A broken row keeps its tokens: a router of the release before `broken` appends them (as it
         # did) rather than verifying the same history again forever; run_request drops them.
-        verdicts = [Verdict(t[: a + 1], a, len(f) - 1 + n, bad)
-                    for t, a, f, n, bad in zip(tokens, n_acc_l, feeds, self.caches.prefed, broken)]
+        verdicts = [Verdict(t[: a + 1], a, len(f) - 1 + n, bad, lp)
+                    for t, a, f, n, bad, lp in zip(tokens, n_acc_l, feeds, self.caches.prefed, broken, lps)]
         for it in (it for it, bad in zip(items, broken) if bad):
             _log.warning("sequence %s ended: the target's logits were NaN", it.seq_id)
         return verdicts, self._stats(items, verdicts, time.perf_counter() - t0)
@@ -448,7 +452,7 @@ async def run_request(
         item = ProposeItem(req.request_id, history, k, s, next_k=req.step_k(emitted=len(req.output_ids) + k + 1))
         prop = await propose_fn(item) if k else Proposal([], None)
         v = await verify_fn(VerifyItem(req.request_id, history, prop.tokens, prop.probs, s, req.expert,
-                                       len(req.prompt_ids), prop.version))
+                                       len(req.prompt_ids), prop.version, p.logprobs))
         if v.broken:  # as SpecEngine.step: nothing the target did not choose is emitted
             req.finish_reason = "error"
             yield req.delta()
@@ -456,7 +460,7 @@ async def run_request(
         req.proposed += k
         req.accepted += v.accepted
         req.steps += 1
-        req.append(v.tokens, tokenizer, eos_ids)
+        req.append(v.tokens, tokenizer, eos_ids, v.logprobs)
         d = req.delta()
         if d.token_ids or d.text or d.finished:
             yield d

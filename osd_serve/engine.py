@@ -21,6 +21,7 @@ from .auto_k import RowView, SpeculationPolicy, calibrate
 from .config import EngineConfig, SamplingParams
 from .kv import BatchKV, make_hole_safe, pad_right
 from .loading import max_positions
+from .logprobs import step_logprobs
 from .output import Completion, Prompt, Request, StreamDelta, check_prompt, eos_token_ids, fit_max_tokens
 from .prefill import Partial, group_size
 from .sampling import seeded_generator
@@ -284,12 +285,13 @@ class SpecEngine:
         out = speculative_step(self._target_kv, self._draft_kv, rows, self.vocab, u_draft, u_verify)
         tokens, n_acc = out.tokens.tolist(), out.num_accepted.tolist()
         broken = broken_rows(out.target_logits, out.num_accepted).tolist()  # [B]
+        logprobs = step_logprobs(out.target_logits, out.tokens, out.num_accepted, [r.params.logprobs for r in self.running])
         if self.recorder is not None:
             before = [len(r.output_ids) for r in self.running]
             self.recorder.observe(self.running, out, n_acc, k_rows, before, self.draft_version)
         acc_pos, prop_pos, tst_pos = [0] * k, [0] * k, [0] * k
         emitted, counted = 0, []  # counted: (accepted, proposed) of the rows the statistics describe
-        for r, toks, a, kr, bad in zip(self.running, tokens, n_acc, k_rows, broken):
+        for r, toks, a, kr, bad, lps in zip(self.running, tokens, n_acc, k_rows, broken, logprobs):
             if r.finished:  # aborted mid-step
                 continue
             if bad:  # its tokens came from NaN logits, not from the target's choice: none is emitted
@@ -303,7 +305,7 @@ class SpecEngine:
             r.rejected += a < kr
             r.steps += 1
             before = len(r.output_ids)
-            r.append(toks[: a + 1], self.tokenizer, self.eos_ids)
+            r.append(toks[: a + 1], self.tokenizer, self.eos_ids, lps)
             emitted += len(r.output_ids) - before
             for j in range(kr):
                 prop_pos[j] += 1

@@ -145,6 +145,7 @@ class Completion:
     proposed: int = 0  # draft tokens proposed for this request
     accepted: int = 0  # draft tokens the target accepted
     steps: int = 0  # target forwards spent on this request (decode steps)
+    logprobs: list | None = None  # logprobs.TokenLogprob per token id, when the request asked for them
 
     @property
     def acceptance(self) -> float:
@@ -172,6 +173,7 @@ class StreamDelta:
     token_ids: list[int]  # new token ids since the last delta
     finished: bool
     finish_reason: str | None
+    logprobs: list | None = None  # logprobs.TokenLogprob per token id of this delta, when asked for
 
 
 @dataclass
@@ -182,6 +184,7 @@ class Request:
     params: SamplingParams
     generator: torch.Generator | None
     output_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)  # one logprobs.TokenLogprob per output id, if params.logprobs is set
     text: str = ""
     finish_reason: str | None = None
     proposed: int = 0
@@ -242,19 +245,20 @@ class Request:
         emitted = len(self.output_ids) if emitted is None else emitted
         return max(self.params.max_tokens - emitted - 1, 0)
 
-    def append(self, new_ids: list[int], tokenizer, eos_ids: set[int]) -> None:
-        """Append accepted tokens one by one, stopping at EOS, max_tokens or a stop string."""
+    def append(self, new_ids: list[int], tokenizer, eos_ids: set[int], logprobs: list | None = None) -> None:
+        """Append accepted tokens one by one, stopping at EOS, max_tokens or a stop string. ``logprobs``:
+        one entry per new id, kept while its id is (a stop string's cut drops both)."""
         if self.params.stop and len(new_ids) > 1 and byte_tokens(tokenizer).value:
             # A byte token can turn its run's text into U+FFFD (see _render), so a stop string completed
             # by one of a step's tokens may be gone from the step's text: taken a token at a time, the
             # output is the one a step of one token gives, whatever k.
-            for t in new_ids:
+            for j, t in enumerate(new_ids):
                 if not self.finished:
-                    self._append([t], tokenizer, eos_ids)
+                    self._append([t], tokenizer, eos_ids, logprobs and logprobs[j : j + 1])
             return
-        self._append(new_ids, tokenizer, eos_ids)
+        self._append(new_ids, tokenizer, eos_ids, logprobs)
 
-    def _append(self, new_ids: list[int], tokenizer, eos_ids: set[int]) -> None:
+    def _append(self, new_ids: list[int], tokenizer, eos_ids: set[int], logprobs: list | None = None) -> None:
         p = self.params
         start = len(self.output_ids)
         for t in new_ids:
@@ -265,6 +269,8 @@ class Request:
             if len(self.output_ids) >= p.max_tokens:
                 self.finish_reason = "length"
                 break
+        if logprobs is not None:
+            self.logprobs.extend(logprobs[: len(self.output_ids) - start])
         # EOS is kept in token_ids (as HF generate does) but never rendered as text.
         ids = self.output_ids[:-1] if self.finish_reason == "stop" else self.output_ids
         before, shown = self.text, self._rendered
@@ -290,7 +296,7 @@ class Request:
         self.text, self.finish_reason = self.text[:at], "stop"
         for j in range(shown, len(self.output_ids)):  # the first new token whose text reaches the stop's end
             if len(_decode(tokenizer, self.output_ids[: j + 1], self.context(tokenizer)).rstrip("\ufffd")) >= end:
-                del self.output_ids[j + 1 :]
+                del self.output_ids[j + 1 :], self.logprobs[j + 1 :]
                 break
 
     def _render(self, tokenizer, ids: list[int], start: int) -> str:
@@ -398,6 +404,7 @@ class Request:
             self.output_ids[self._sent_ids : ids_end],
             self.finished,
             self.finish_reason,
+            self.logprobs[self._sent_ids : ids_end] if self.params.logprobs is not None else None,
         )
         self._sent_chars, self._sent_ids = end, ids_end
         return d
@@ -405,7 +412,7 @@ class Request:
     def completion(self) -> Completion:
         return Completion(
             self.request_id, self.prompt, self.text, list(self.output_ids), self.finish_reason,
-            self.proposed, self.accepted, self.steps,
+            self.proposed, self.accepted, self.steps, list(self.logprobs) if self.params.logprobs is not None else None,
         )
 
 

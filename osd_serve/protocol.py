@@ -1,8 +1,8 @@
 """OpenAI-compatible request and response shapes (completions and chat completions), pydantic.
 
 Unknown fields are refused (a 400 naming them) rather than silently ignored, and so are values of
-OpenAI fields this server does not implement (`logprobs: 5`, `n: 2`, a penalty): a client must learn
-that this server does not do them, not get something else. Their neutral values (`logprobs: null`,
+OpenAI fields this server does not implement (`echo: true`, `n: 2`, a penalty): a client must learn
+that this server does not do them, not get something else. Their neutral values (`echo: false`,
 `frequency_penalty: 0`...), which clients send by default, are accepted. Types are strict: `"4"` is
 not a number and `true` is not a token id.
 Extensions beyond OpenAI: `top_k`, `expert` (pin a draft expert), `num_speculative_tokens`, `ignore_eos`.
@@ -15,7 +15,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from .config import MAX_SPECULATIVE_TOKENS, SEED_RANGE, TOP_K_LIMIT, SamplingParams, short_repr
+from .config import MAX_LOGPROBS, MAX_SPECULATIVE_TOKENS, SEED_RANGE, TOP_K_LIMIT, SamplingParams, short_repr
+from .logprobs import api_logprobs
 from .output import Prompt, check_prompt
 
 
@@ -43,8 +44,6 @@ def _unicode(v):
 _UNIMPLEMENTED = {
     "frequency_penalty": ((0,), "only 0 is supported: this server applies no penalties"),
     "presence_penalty": ((0,), "only 0 is supported: this server applies no penalties"),
-    "logprobs": ((None, False, 0), "log probabilities are not returned by this server; send null, false or 0"),
-    "top_logprobs": ((None, 0), "log probabilities are not returned by this server; send null or 0"),
     "logit_bias": ((None, {}), "logit bias is not supported; send null or {}"),
     "echo": ((False,), "echo is not supported; send false"),
     "best_of": ((None, 1), "only 1 is supported (one choice per request)"),
@@ -108,10 +107,8 @@ class _Sampling(_Strict):
     # _UNIMPLEMENTED: accepted at their neutral values only
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
-    logprobs: bool | int | None = None  # chat: bool, completions: int
-    top_logprobs: int | None = None
     logit_bias: dict[str, float] | None = None
-    _neutral = field_validator("frequency_penalty", "presence_penalty", "logprobs", "top_logprobs", "logit_bias")(_neutral_only)
+    _neutral = field_validator("frequency_penalty", "presence_penalty", "logit_bias")(_neutral_only)
     # top_k and ignore_eos too: vLLM's clients send them as null for "unset"
     _null = field_validator("temperature", "top_p", "top_k", "n", "stream", "ignore_eos", "frequency_penalty",
                             "presence_penalty", mode="before")(classmethod(_null_is_default))
@@ -124,12 +121,16 @@ class _Sampling(_Strict):
     def _limit(self) -> int | None:
         return self.max_tokens
 
+    def _logprobs(self) -> int | None:  # alternatives per token, or None: no logprobs (the fields differ per API)
+        return None
+
     def sampling_params(self, default_k: int | str, default_max_tokens: int | None = 16) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         k = default_k if self.num_speculative_tokens is None else self.num_speculative_tokens
         return SamplingParams(
             max_tokens=self._limit() or default_max_tokens, temperature=self.temperature, top_k=self.top_k,
             top_p=self.top_p, stop=stop, seed=self.seed, ignore_eos=self.ignore_eos, num_speculative_tokens=k,
+            logprobs=self._logprobs(),
         )
 
 
@@ -143,6 +144,8 @@ class CompletionRequest(_Sampling):
     echo: bool = False  # these three: _UNIMPLEMENTED, accepted at their neutral values only
     best_of: int | None = None
     suffix: str | None = None
+    # the legacy API's count: each token's logprob and its n likeliest alternatives (0: the token's own only)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     _neutral_completion = field_validator("echo", "best_of", "suffix")(_neutral_only)
     _null_echo = field_validator("echo", mode="before")(classmethod(_null_is_default))
 
@@ -165,15 +168,8 @@ class CompletionRequest(_Sampling):
             v = v[0]
         return _unicode(v)
 
-    @field_validator("logprobs", mode="before")
-    @classmethod
-    def _no_chosen_logprobs(cls, v):
-        # The completions API's logprobs is a count: 0 still asks for the chosen tokens' own
-        # logprobs (OpenAI, vLLM), so unlike chat's false it asks for something this server lacks.
-        # Before: _Sampling's check of the field would otherwise answer 5 with "send null, false or 0".
-        if v is None or v is False:
-            return v
-        raise ValueError("log probabilities are not returned by this server; send null (0 asks for the chosen tokens')")
+    def _logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class TextPart(_Strict):
@@ -242,8 +238,20 @@ class ChatRequest(_Sampling):
     modalities: list[str] | None = None
     safety_identifier: str | None = None  # identification only, like user: accepted, not used
     prompt_cache_key: str | None = None  # a cache routing hint: accepted, not used
+    logprobs: bool | None = None  # chat's switch, and top_logprobs its count of alternatives
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     _neutral_chat = field_validator("tools", "tool_choice", "response_format", "store", "metadata", "service_tier",
                                     "reasoning_effort", "modalities")(_neutral_only)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, v, info: ValidationInfo):
+        if v and not info.data.get("logprobs"):  # 0 without logprobs asks nothing (SDK wrappers send it)
+            raise ValueError("needs logprobs: true")
+        return v
+
+    def _logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def _limit(self) -> int | None:
         # OpenAI's newer name for the limit; with both sent it wins, as in vLLM (max_tokens is deprecated)
@@ -425,7 +433,8 @@ def validation_error(errors: list[dict]) -> RequestError:
     return RequestError(f"{param}: {msg}" if param else msg, param)
 
 
-_FIELDS = ("prompt", "messages", "max_tokens", "temperature", "top_k", "top_p", "stop", "seed", "num_speculative_tokens", "expert")
+_FIELDS = ("prompt", "messages", "max_tokens", "temperature", "top_k", "top_p", "stop", "seed", "num_speculative_tokens", "expert",
+           "logprobs")
 
 
 def engine_error(e: ValueError) -> RequestError:
@@ -447,28 +456,33 @@ _FREE_FORM = {n for m in (CompletionRequest, ChatRequest, ChatMessage) for n, f 
 # stream that crossed a second boundary changed it midway.
 
 
-def completion_body(rid: str, model: str, text: str, finish: str | None, usage: dict, chat: bool, created: int) -> dict:
+def completion_body(rid: str, model: str, text: str, finish: str | None, usage: dict, chat: bool, created: int,
+                    logprobs: list[dict] | None = None) -> dict:
+    """logprobs: the rendered entries of every token (logprobs.render), None when not asked for."""
+    lps = api_logprobs(logprobs, chat)
     if chat:
         # OpenAI's schema requires the choice's logprobs and the message's refusal (nullable, not optional):
         # clients typed from it (openapi-generator's Rust) refused an answer without them ("missing field")
         message = {"role": "assistant", "content": text, "refusal": None}
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "message": message, "logprobs": lps, "finish_reason": finish}
         return {"id": rid, "object": "chat.completion", "created": created, "model": model,
                 "choices": [choice], "usage": usage}
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    choice = {"index": 0, "text": text, "logprobs": lps, "finish_reason": finish}
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": [choice], "usage": usage}
 
 
 def chunk_body(rid: str, model: str, text: str, finish: str | None, chat: bool, created: int, first: bool = False,
-               include_usage: bool = False) -> dict:
-    """include_usage: the stream ends with usage_chunk, and OpenAI's other chunks then carry "usage": null."""
+               include_usage: bool = False, logprobs: list[dict] | None = None, offset: int = 0) -> dict:
+    """include_usage: the stream ends with usage_chunk, and OpenAI's other chunks then carry "usage": null.
+    logprobs: this chunk's tokens' (their text starts at ``offset`` in the stream's)."""
+    lps = api_logprobs(logprobs, chat, offset)
     if chat:
         delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text or not finish else {})
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "delta": delta, "logprobs": lps, "finish_reason": finish}
         body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "text": text, "logprobs": lps, "finish_reason": finish}
         body = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
     return body | ({"usage": None} if include_usage else {})
 

@@ -21,6 +21,7 @@ from .distill.siblings import newest_sibling
 from .distill.spill import ReplicaSpill, pair_of
 from .distill.trainer import DistillTrainer, TrainConfig
 from .distill.versions import VersionStore, VersionWatcher, claim_slot, draft_fingerprint
+from .logprobs import delta_body
 from .output import finish_counts
 from .serving import AsyncSpecServer
 from .telemetry import Telemetry
@@ -183,8 +184,7 @@ class SpecService:
         try:
             async for d in self.server.generate(prompt, params, expert):
                 finish = d.finish_reason
-                yield {"text": d.text, "token_ids": d.token_ids, "finished": d.finished, "finish_reason": d.finish_reason,
-                       "prompt_tokens": n_prompt}
+                yield delta_body(d, self.tokenizer, n_prompt)
         finally:  # also when the client went away (aclose), which telemetry leaves out of latency
             self.telemetry.on_request(expert, time.perf_counter() - t0, finish)
 

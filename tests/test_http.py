@@ -89,7 +89,7 @@ def test_router_picks_experts_and_explicit_expert_wins(client):
 @pytest.mark.parametrize("body,param", [
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "x", "temperature": "hot"}, "temperature"),
-    ({"prompt": "x", "logprobs": 3}, "logprobs"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
     ({"prompt": "x", "n": 2}, "n"),
     ({"prompt": "x" * 3000, "max_tokens": 8}, "prompt"),
     ({"prompt": "x", "max_tokens": 3000}, "max_tokens"),  # no room for any prompt within max_model_len

@@ -133,22 +133,33 @@ def test_a_one_prompt_batch_is_that_prompt(client, backend, prompt, want):
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
 
 
-def test_a_completions_logprobs_of_0_is_refused(client):
-    """A completion's logprobs is a count, and 0 still asks for the chosen tokens' logprobs (OpenAI,
-    vLLM): accepted and ignored, the client got logprobs null. Null (and chat's false) ask nothing."""
-    r = _post(client, "/v1/completions", {"prompt": "x", "logprobs": 0})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
-    assert _post(client, "/v1/completions", {"prompt": "x", "logprobs": None}).status_code == 200
-    chat = {"messages": [{"role": "user", "content": "x"}], "logprobs": False}
-    assert _post(client, "/v1/chat/completions", chat).status_code == 200
+@pytest.mark.parametrize("path,body,want", [
+    ("/v1/completions", {"logprobs": 0}, 0),  # a count: 0 still asks for the chosen tokens' own logprobs
+    ("/v1/completions", {"logprobs": 20}, 20),
+    ("/v1/completions", {"logprobs": None}, None),
+    ("/v1/chat/completions", {"logprobs": True}, 0),  # chat: a switch, and top_logprobs the count
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 5}, 5),
+    ("/v1/chat/completions", {"logprobs": False, "top_logprobs": 0}, None),  # what SDK wrappers send by default
+])
+def test_logprobs_reach_the_engine_as_a_count(client, backend, path, body, want):
+    base = {"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "x"}
+    r = _post(client, path, base | body)
+    assert r.status_code == 200, r.text
+    assert backend.params[-1].logprobs == want
 
 
-@pytest.mark.parametrize("logprobs", [5, True])
-def test_a_completions_logprobs_refusal_does_not_advise_0(client, logprobs):
-    """The shared check answered a completion's logprobs 5 with "send null, false or 0", and 0 is refused."""
-    r = _post(client, "/v1/completions", {"prompt": "x", "logprobs": logprobs})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
-    assert "or 0" not in r.json()["error"]["message"], r.text
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"logprobs": True}, "logprobs"),  # strict: a switch is not a count
+    ("/v1/completions", {"logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"logprobs": -1}, "logprobs"),
+    ("/v1/chat/completions", {"logprobs": 3}, "logprobs"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),  # alternatives of logprobs never asked for
+])
+def test_bad_logprobs_are_a_400_naming_the_field(client, path, body, param):
+    base = {"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "x"}
+    r = _post(client, path, base | body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
 @pytest.mark.parametrize("path,body,key", [
