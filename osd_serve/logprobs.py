@@ -15,6 +15,7 @@ from typing import NamedTuple
 import torch
 
 from .output import byte_tokens
+from .sampling import overflow_holds_all
 
 # JSON has no -inf: a token the model rules out (a vocabulary's padding, fit_vocab) reads as vLLM's floor
 LOGPROB_FLOOR = -9999.0
@@ -36,10 +37,12 @@ def step_logprobs(target_logits: torch.Tensor, tokens: torch.Tensor, num_accepte
     if not rows:
         return out
     idx = torch.tensor(rows, device=target_logits.device)
-    lp = target_logits.index_select(0, idx).float().log_softmax(-1)  # [R, k+1, V]
-    chosen = lp.gather(2, tokens.index_select(0, idx).clamp_min(0)[..., None])[..., 0]  # [R, k+1]
-    n_max = min(max(wanted[i] for i in rows), lp.shape[-1])
-    top_v, top_i = lp.topk(n_max, dim=-1)  # [R, k+1, n_max], likeliest first
+    x = overflow_holds_all(target_logits.index_select(0, idx).float())  # [R, k+1, V], as the sampler read them
+    lse = x.logsumexp(-1, keepdim=True)  # [R, k+1, 1]: gathered and top values less it, no [R, k+1, V] log_softmax
+    chosen = (x.gather(2, tokens.index_select(0, idx).clamp_min(0)[..., None]) - lse)[..., 0]  # [R, k+1]
+    n_max = min(max(wanted[i] for i in rows), x.shape[-1])
+    top_v, top_i = x.topk(n_max, dim=-1)  # [R, k+1, n_max], likeliest first
+    top_v = top_v - lse
     chosen_l, top_vl, top_il, n_acc = chosen.tolist(), top_v.tolist(), top_i.tolist(), num_accepted.tolist()
     for r, i in enumerate(rows):
         n = wanted[i]
@@ -47,29 +50,67 @@ def step_logprobs(target_logits: torch.Tensor, tokens: torch.Tensor, num_accepte
     return out
 
 
-_TOKEN_TEXT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+class _TokenTexts:
+    """Each id's text and bytes for one tokenizer, worked out once per id (a few decodes each).
+
+    The text is the id decoded after an anchor token, cut after the anchor's own: a SentencePiece decoder
+    strips the leading space from the start of a text, so "▁is" decoded alone gave "is" where the output
+    reads " is" (the tokens then no longer add up to the text, nor text_offset to its positions). Special
+    tokens keep their names ("</s>"), as vLLM gives them. The bytes are the token's own: a byte-fallback
+    <0xE2>'s byte, a byte-level BPE token's (GPT-2, Llama-3, Qwen) through its byte-to-character table, so
+    a character split across tokens is rebuilt from them, where the texts show U+FFFD; otherwise the
+    text's UTF-8."""
+
+    def __init__(self, tokenizer):
+        self.tok, self.memo = tokenizer, {}
+        self.anchor = tokenizer.encode("a", add_special_tokens=False)[-1:]
+        self.head = self._decode(self.anchor)
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        self.byte_level = None
+        if "ByteLevel" in repr(decoder):
+            from transformers.convert_slow_tokenizer import bytes_to_unicode  # GPT-2's byte -> character table
+
+            self.byte_level = {c: b for b, c in bytes_to_unicode().items()}
+        self.bytes = byte_tokens(tokenizer).value
+        self.special = set(getattr(tokenizer, "all_special_ids", ()))
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def __call__(self, t: int) -> tuple[str, list[int]]:
+        if t not in self.memo:
+            full = self._decode(self.anchor + [t])
+            text = full[len(self.head):] if full.startswith(self.head) else self._decode([t])
+            name = self.tok.convert_ids_to_tokens(t) if self.byte_level is not None and t not in self.special else None
+            if t in self.bytes:
+                raw = [self.bytes[t]]
+            elif name and all(c in self.byte_level for c in name):
+                raw = [self.byte_level[c] for c in name]
+            else:
+                raw = list(text.encode("utf-8", "surrogatepass"))
+            self.memo[t] = (text, raw)
+        return self.memo[t]
 
 
-def _token(tokenizer, t: int, lp: float, memo: dict) -> dict:
-    """{"token", "logprob", "bytes"}: the token's own text (tokenizer.decode([t]), as vLLM and OpenAI give
-    it) and its UTF-8 bytes; a byte-fallback token (<0xE2>) decodes to nothing or U+FFFD alone, so its
-    bytes are the byte it stands for, from which a client rebuilds the characters it takes part in."""
-    if t not in memo:
-        text = tokenizer.decode([t])
-        byte = byte_tokens(tokenizer).value.get(t)
-        memo[t] = (text, [byte] if byte is not None else list(text.encode("utf-8", "surrogatepass")))
-    text, raw = memo[t]
-    return {"token": text, "logprob": max(lp, LOGPROB_FLOOR), "bytes": raw}
+_TOKEN_TEXTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _token(texts: _TokenTexts, t: int, lp: float) -> dict:
+    text, raw = texts(t)
+    # >= is False for NaN too: JSON has neither NaN nor -inf
+    return {"token": text, "logprob": lp if lp >= LOGPROB_FLOOR else LOGPROB_FLOOR, "bytes": raw}
 
 
 def render(tokenizer, ids: list[int], entries: list[TokenLogprob]) -> list[dict]:
     """Per generated token, OpenAI's chat form {"token", "logprob", "bytes", "top_logprobs": [{"token",
-    "logprob", "bytes"}]}: plain data that crosses Ray as it is. Token texts are kept per tokenizer."""
+    "logprob", "bytes"}]}: plain data that crosses Ray as it is."""
+    if len(ids) != len(entries):  # a replica of a release before logprobs returns none: not a short list
+        raise RuntimeError(f"logprobs: {len(entries)} entries for {len(ids)} tokens (a replica of an older osd-serve?)")
     try:
-        memo = _TOKEN_TEXT.setdefault(tokenizer, {})
+        texts = _TOKEN_TEXTS.get(tokenizer) or _TOKEN_TEXTS.setdefault(tokenizer, _TokenTexts(tokenizer))
     except TypeError:  # a tokenizer that takes no weak reference
-        memo = {}
-    return [_token(tokenizer, t, e.logprob, memo) | {"top_logprobs": [_token(tokenizer, a, v, memo) for a, v in e.top]}
+        texts = _TokenTexts(tokenizer)
+    return [_token(texts, t, e.logprob) | {"top_logprobs": [_token(texts, a, v) for a, v in e.top]}
             for t, e in zip(ids, entries)]
 
 

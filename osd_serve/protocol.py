@@ -46,6 +46,7 @@ _UNIMPLEMENTED = {
     "presence_penalty": ((0,), "only 0 is supported: this server applies no penalties"),
     "logit_bias": ((None, {}), "logit bias is not supported; send null or {}"),
     "echo": ((False,), "echo is not supported; send false"),
+    "top_logprobs": ((None, 0), "a completion's alternatives per token are its logprobs count; send null or 0"),
     "best_of": ((None, 1), "only 1 is supported (one choice per request)"),
     "suffix": ((None, ""), "suffix (insertion) is not supported"),
     "tools": ((None, []), "tools are not supported; send null or []"),
@@ -144,9 +145,12 @@ class CompletionRequest(_Sampling):
     echo: bool = False  # these three: _UNIMPLEMENTED, accepted at their neutral values only
     best_of: int | None = None
     suffix: str | None = None
-    # the legacy API's count: each token's logprob and its n likeliest alternatives (0: the token's own only)
+    # the legacy API's count: each token's logprob and its n likeliest alternatives (0: the token's own only);
+    # false, which clients send for none, is null (top_logprobs is chat's: accepted at null or 0, as before)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    _neutral_completion = field_validator("echo", "best_of", "suffix")(_neutral_only)
+    top_logprobs: int | None = None
+    _false_is_null = field_validator("logprobs", mode="before")(classmethod(lambda cls, v: None if v is False else v))
+    _neutral_completion = field_validator("echo", "best_of", "suffix", "top_logprobs")(_neutral_only)
     _null_echo = field_validator("echo", mode="before")(classmethod(_null_is_default))
 
     @field_validator("prompt", mode="before")
@@ -238,7 +242,8 @@ class ChatRequest(_Sampling):
     modalities: list[str] | None = None
     safety_identifier: str | None = None  # identification only, like user: accepted, not used
     prompt_cache_key: str | None = None  # a cache routing hint: accepted, not used
-    logprobs: bool | None = None  # chat's switch, and top_logprobs its count of alternatives
+    logprobs: bool | None = None  # chat's switch (0 is false, as some clients send it), and top_logprobs its count
+    _zero_is_off = field_validator("logprobs", mode="before")(classmethod(lambda cls, v: False if type(v) is int and v == 0 else v))
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     _neutral_chat = field_validator("tools", "tool_choice", "response_format", "store", "metadata", "service_tier",
                                     "reasoning_effort", "modalities")(_neutral_only)
@@ -457,19 +462,16 @@ _FREE_FORM = {n for m in (CompletionRequest, ChatRequest, ChatMessage) for n, f 
 
 
 def completion_body(rid: str, model: str, text: str, finish: str | None, usage: dict, chat: bool, created: int,
-                    logprobs: list[dict] | None = None) -> dict:
-    """logprobs: the rendered entries of every token (logprobs.render), None when not asked for."""
+                    logprobs: list[dict] | None = None) -> dict:  # logprobs: every token's logprobs.render entries
     lps = api_logprobs(logprobs, chat)
     if chat:
         # OpenAI's schema requires the choice's logprobs and the message's refusal (nullable, not optional):
         # clients typed from it (openapi-generator's Rust) refused an answer without them ("missing field")
         message = {"role": "assistant", "content": text, "refusal": None}
         choice = {"index": 0, "message": message, "logprobs": lps, "finish_reason": finish}
-        return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-                "choices": [choice], "usage": usage}
+        return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": [choice], "usage": usage}
     choice = {"index": 0, "text": text, "logprobs": lps, "finish_reason": finish}
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [choice], "usage": usage}
+    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice], "usage": usage}
 
 
 def chunk_body(rid: str, model: str, text: str, finish: str | None, chat: bool, created: int, first: bool = False,

@@ -52,6 +52,14 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:  # [..., V] any float d
     return logits.max(dim=-1).indices
 
 
+def overflow_holds_all(logits: torch.Tensor) -> torch.Tensor:  # [..., V] float -> [..., V]
+    """A logit that overflowed to +inf (float16 can) holds the row's whole mass, at any temperature: the
+    limit of the softmax, and the token greedy picks. Such rows become 0 there and -inf elsewhere; shifted
+    by the max (or less its logsumexp) they would be inf - inf, a NaN row that sampled token 0."""
+    pos_inf = torch.isposinf(logits)
+    return torch.where(pos_inf.any(dim=-1, keepdim=True), torch.where(pos_inf, 0.0, -math.inf), logits)
+
+
 def logits_to_probs(
     logits: torch.Tensor,  # [N, V] any float dtype
     temperature: torch.Tensor,  # [N] float, 0 means greedy
@@ -66,11 +74,7 @@ def logits_to_probs(
     one_hot.scatter_(1, greedy_tokens(logits).unsqueeze(1), 1.0)  # argmax ties -> first index
     if bool(greedy.all()):  # the common serving case: skip the sort and softmax it would discard
         return one_hot
-    # A logit that overflowed to +inf (float16 can) holds the row's whole mass, at any temperature:
-    # the limit of the softmax, and the token greedy picks. Shifted by the max it would be inf - inf,
-    # a NaN row that sampled token 0.
-    pos_inf = torch.isposinf(logits)  # [N, V]
-    logits = torch.where(pos_inf.any(dim=1, keepdim=True), torch.where(pos_inf, 0.0, -math.inf), logits)  # [N, V]
+    logits = overflow_holds_all(logits)  # [N, V]
     # Greedy rows get temperature 1 only so the shared path below stays finite; they are replaced.
     temp = torch.where(greedy, torch.ones_like(temperature), temperature).float()  # [N]
     # The row max comes off first: a tiny temperature (1e-40 is a float32 subnormal) would make

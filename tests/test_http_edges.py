@@ -140,6 +140,10 @@ def test_a_one_prompt_batch_is_that_prompt(client, backend, prompt, want):
     ("/v1/chat/completions", {"logprobs": True}, 0),  # chat: a switch, and top_logprobs the count
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 5}, 5),
     ("/v1/chat/completions", {"logprobs": False, "top_logprobs": 0}, None),  # what SDK wrappers send by default
+    # what clients sent for "none" before logprobs were returned (all 200 then): still none
+    ("/v1/completions", {"logprobs": False, "top_logprobs": None}, None),
+    ("/v1/completions", {"top_logprobs": 0}, None),
+    ("/v1/chat/completions", {"logprobs": 0}, None),
 ])
 def test_logprobs_reach_the_engine_as_a_count(client, backend, path, body, want):
     base = {"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "x"}
@@ -155,6 +159,8 @@ def test_logprobs_reach_the_engine_as_a_count(client, backend, path, body, want)
     ("/v1/chat/completions", {"logprobs": 3}, "logprobs"),
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),  # alternatives of logprobs never asked for
+    ("/v1/completions", {"logprobs": 2, "top_logprobs": 2}, "top_logprobs"),  # chat's field: a completion counts in logprobs
+    ("/v1/chat/completions", {"logprobs": 1}, "logprobs"),
 ])
 def test_bad_logprobs_are_a_400_naming_the_field(client, path, body, param):
     base = {"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "x"}

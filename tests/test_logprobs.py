@@ -3,13 +3,15 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from osd_serve.config import SamplingParams
 from osd_serve.engine import SpecEngine
 from osd_serve.logprobs import TokenLogprob, api_logprobs, render, step_logprobs
-from tests.conftest import byte_fallback_tokenizer, llama, perturbed
+from tests.conftest import byte_fallback_tokenizer, char_tokenizer, llama, perturbed
 
 PROMPTS = ["def f(x):", "select a", "x = [1, 2", "import os, sys\nprint(", "a"]
 
@@ -144,3 +146,45 @@ def test_the_disaggregated_verifier_returns_the_targets_logprobs(pair, tok, temp
     reqs, _, _, verdicts = _serve(target, draft, tok, prompts, params)
     _check(target, prompts, [(r.output_ids, r.logprobs) for r in reqs], 2)
     assert any(v.recomputed for v in verdicts) and sum(r.accepted for r in reqs) > 0
+
+
+def test_an_overflowed_logit_is_all_the_mass_not_nan():
+    """A float16 overflow to +inf holds the row's mass for the sampler (sampling.overflow_holds_all): its
+    logprob is 0 and the others floor out; log_softmax made the whole row NaN, which JSON cannot carry."""
+    logits = torch.zeros(1, 1, 8)
+    logits[0, 0, 5] = float("inf")
+    [[e]] = step_logprobs(logits, torch.tensor([[5]]), torch.tensor([0]), [2])
+    assert e.logprob == 0.0 and e.top[0] == (5, 0.0) and e.top[1][1] == float("-inf")
+    [out] = render(char_tokenizer(), [5], [e])
+    assert out["logprob"] == 0.0 and out["top_logprobs"][1]["logprob"] == -9999.0
+    json.dumps(out, allow_nan=False)
+
+
+def test_token_texts_keep_the_space_a_sentencepiece_decoder_strips():
+    """Decoded alone, "▁is" is "is"; in the output it reads " is": the tokens add up to the text, and so do
+    the completions' text_offsets."""
+    tok = byte_fallback_tokenizer()
+    ids = tok.convert_tokens_to_ids(["▁The", "▁is", "▁a"])
+    legacy = api_logprobs(render(tok, ids, [TokenLogprob(-0.1, [])] * 3), chat=False)
+    assert legacy["tokens"] == [" The", " is", " a"] and legacy["text_offset"] == [0, 4, 7]
+
+
+def test_a_character_split_over_byte_level_tokens_keeps_its_bytes():
+    """Byte-level BPE (GPT-2, Llama-3, Qwen): "é" as two one-byte tokens shows U+FFFD twice as text; the
+    bytes are the token's own, so a client rebuilds the character (OpenAI's reason for the field)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}, merges=[]))
+    tk.pre_tokenizer, tk.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk)
+    ids = tok.encode("é a")
+    out = render(tok, ids, [TokenLogprob(-0.1, [])] * len(ids))
+    assert bytes(sum((e["bytes"] for e in out), [])).decode() == "é a"
+    assert [e["token"] for e in out][2:] == [" ", "a"]
+
+
+def test_entries_short_of_the_ids_are_an_error_not_a_short_list(tok):
+    """A replica of a release before logprobs answers with none: the request fails, never silently short."""
+    with pytest.raises(RuntimeError, match="1 entries for 2 tokens"):
+        render(tok, [3, 4], [TokenLogprob(-0.1, [])])
