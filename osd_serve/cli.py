@@ -10,7 +10,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from .config import AUTO, MAX_SPECULATIVE_TOKENS, SEED_RANGE
+from .config import AUTO, MAX_LOGPROBS, MAX_SPECULATIVE_TOKENS, SEED_RANGE
 from .corpus import lone_surrogate
 
 MAX_THREADS = 4096  # torch.set_num_threads takes a C int: 2**31 failed with "Overflow when unpacking long"
@@ -184,7 +184,7 @@ def cmd_generate(args) -> None:
     try:  # before the load: a bad --temperature waited for the pair to load (a minute for a 7B one)
         params = SamplingParams(
             max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-            seed=args.seed, num_speculative_tokens=args.num_speculative_tokens,
+            seed=args.seed, num_speculative_tokens=args.num_speculative_tokens, logprobs=args.logprobs,
         )
         engine_cfg = EngineConfig(max_batch_size=args.batch_size)
         check_room(args.max_tokens, engine_cfg.max_model_len, "--max-tokens", "the engine's ")
@@ -211,10 +211,10 @@ def cmd_generate(args) -> None:
             # Written in prompt order as soon as they are done: a run stopped halfway (Ctrl-C, a crash)
             # used to lose every completion, since all were written after the last one finished.
             while sink.count < len(reqs) and reqs[sink.count].finished:
-                sink.write(_completion_line(reqs[sink.count]))
+                sink.write(_completion_line(reqs[sink.count], tok))
                 bar.update(1)
         for r in reqs[sink.count :]:  # any the engine finished outside a step: one line per prompt, always
-            sink.write(_completion_line(r))
+            sink.write(_completion_line(r, tok))
     except KeyboardInterrupt:
         bar.close()
         print(f"interrupted: {sink.count} of {len(reqs)} completions written"
@@ -230,10 +230,13 @@ def cmd_generate(args) -> None:
         print(json.dumps({"out": args.out, "prompts": len(reqs), "acceptance": total_a / total_p if total_p else None}))
 
 
-def _completion_line(r) -> str:
-    c = r.completion()
+def _completion_line(r, tok) -> str:
+    from .logprobs import render
+
+    c = r.completion()  # with --logprobs, each token's as the chat API gives them ({token, logprob, bytes, top_logprobs})
+    lps = {} if c.logprobs is None else {"logprobs": render(tok, c.token_ids, c.logprobs)}
     return json.dumps({"prompt": c.prompt, "text": c.text, "token_ids": c.token_ids, "proposed": c.proposed,
-                       "accepted": c.accepted, "finish_reason": c.finish_reason})
+                       "accepted": c.accepted, "finish_reason": c.finish_reason} | lps)
 
 
 class _Lines:
@@ -434,6 +437,8 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None, help="seed of the first prompt; prompt i uses seed+i")
     g.add_argument("--batch-size", type=_at_least(1), default=8)
+    g.add_argument("--logprobs", type=_at_least(0, MAX_LOGPROBS), default=None, metavar="N",
+                   help=f"each token's logprob under the target and its N likeliest alternatives (0-{MAX_LOGPROBS})")
     g.add_argument("--out", metavar="FILE.jsonl")
     g.set_defaults(fn=cmd_generate)
 

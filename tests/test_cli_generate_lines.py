@@ -56,3 +56,26 @@ def test_the_largest_seed_that_fits_every_prompt_is_accepted():
     cli._check_seed_range(None, 10**6)
     with pytest.raises(SystemExit, match=f"--seed {2**63 - 2}"):
         cli._check_seed_range(2**63 - 2, 3)
+
+
+def test_generate_logprobs_are_the_engines(models, tmp_path, monkeypatch, capsys):
+    """--logprobs N: each line carries its tokens' logprobs and N alternatives, as the chat API renders them;
+    without it a line has no such key, and a count past 20 is a usage error before anything loads."""
+    from osd_serve.logprobs import render
+
+    monkeypatch.setattr(cli, "_load", lambda args: models)
+    out = tmp_path / "o.jsonl"
+    cli.main(["generate", "--prompts", _jsonl(tmp_path / "p.jsonl", PROMPTS), "--max-tokens", "6", "--logprobs", "2",
+              "--out", str(out)])
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    refs = SpecEngine(*models).generate(PROMPTS, SamplingParams(max_tokens=6, logprobs=2))
+    for line, c in zip(lines, refs):
+        assert len(line["logprobs"]) == len(line["token_ids"]) and all(len(e["top_logprobs"]) == 2 for e in line["logprobs"])
+        want = render(models[2], c.token_ids, c.logprobs)
+        assert [e["token"] for e in line["logprobs"]] == [e["token"] for e in want]
+        assert [e["logprob"] for e in line["logprobs"]] == pytest.approx([e["logprob"] for e in want], abs=1e-5)
+    cli.main(["generate", "--prompts", _jsonl(tmp_path / "p.jsonl", PROMPTS), "--max-tokens", "2", "--out", str(out)])
+    assert all("logprobs" not in json.loads(x) for x in out.read_text().splitlines())
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "--prompts", str(tmp_path / "p.jsonl"), "--logprobs", "21"])
+    assert e.value.code == 2 and "--logprobs" in capsys.readouterr().err
