@@ -37,7 +37,9 @@ def step_logprobs(target_logits: torch.Tensor, tokens: torch.Tensor, num_accepte
     if not rows:
         return out
     idx = torch.tensor(rows, device=target_logits.device)
-    x = overflow_holds_all(target_logits.index_select(0, idx).float())  # [R, k+1, V], as the sampler read them
+    x = target_logits.index_select(0, idx).float()  # [R, k+1, V]
+    if bool(torch.isposinf(x).any()):  # rare (a float16 overflow): read as the sampler did, not inf - inf = NaN
+        x = overflow_holds_all(x)
     lse = x.logsumexp(-1, keepdim=True)  # [R, k+1, 1]: gathered and top values less it, no [R, k+1, V] log_softmax
     chosen = (x.gather(2, tokens.index_select(0, idx).clamp_min(0)[..., None]) - lse)[..., 0]  # [R, k+1]
     n_max = min(max(wanted[i] for i in rows), x.shape[-1])
@@ -62,9 +64,10 @@ class _TokenTexts:
     text's UTF-8."""
 
     def __init__(self, tokenizer):
-        self.tok, self.memo = tokenizer, {}
+        # The tokenizer is passed to each call, never kept: a value holding its WeakKeyDictionary key kept it alive
+        self.memo: dict[int, tuple[str, list[int]]] = {}
         self.anchor = tokenizer.encode("a", add_special_tokens=False)[-1:]
-        self.head = self._decode(self.anchor)
+        self.head = self._decode(tokenizer, self.anchor)
         decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
         self.byte_level = None
         if "ByteLevel" in repr(decoder):
@@ -74,14 +77,15 @@ class _TokenTexts:
         self.bytes = byte_tokens(tokenizer).value
         self.special = set(getattr(tokenizer, "all_special_ids", ()))
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    @staticmethod
+    def _decode(tokenizer, ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
-    def __call__(self, t: int) -> tuple[str, list[int]]:
+    def __call__(self, tokenizer, t: int) -> tuple[str, list[int]]:
         if t not in self.memo:
-            full = self._decode(self.anchor + [t])
-            text = full[len(self.head):] if full.startswith(self.head) else self._decode([t])
-            name = self.tok.convert_ids_to_tokens(t) if self.byte_level is not None and t not in self.special else None
+            full = self._decode(tokenizer, self.anchor + [t])
+            text = full[len(self.head):] if full.startswith(self.head) else self._decode(tokenizer, [t])
+            name = tokenizer.convert_ids_to_tokens(t) if self.byte_level is not None and t not in self.special else None
             if t in self.bytes:
                 raw = [self.bytes[t]]
             elif name and all(c in self.byte_level for c in name):
@@ -95,8 +99,8 @@ class _TokenTexts:
 _TOKEN_TEXTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _token(texts: _TokenTexts, t: int, lp: float) -> dict:
-    text, raw = texts(t)
+def _token(texts: _TokenTexts, tokenizer, t: int, lp: float) -> dict:
+    text, raw = texts(tokenizer, t)
     # >= is False for NaN too: JSON has neither NaN nor -inf
     return {"token": text, "logprob": lp if lp >= LOGPROB_FLOOR else LOGPROB_FLOOR, "bytes": raw}
 
@@ -110,7 +114,7 @@ def render(tokenizer, ids: list[int], entries: list[TokenLogprob]) -> list[dict]
         texts = _TOKEN_TEXTS.get(tokenizer) or _TOKEN_TEXTS.setdefault(tokenizer, _TokenTexts(tokenizer))
     except TypeError:  # a tokenizer that takes no weak reference
         texts = _TokenTexts(tokenizer)
-    return [_token(texts, t, e.logprob) | {"top_logprobs": [_token(texts, a, v) for a, v in e.top]}
+    return [_token(texts, tokenizer, t, e.logprob) | {"top_logprobs": [_token(texts, tokenizer, a, v) for a, v in e.top]}
             for t, e in zip(ids, entries)]
 
 

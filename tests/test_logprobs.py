@@ -188,3 +188,16 @@ def test_entries_short_of_the_ids_are_an_error_not_a_short_list(tok):
     """A replica of a release before logprobs answers with none: the request fails, never silently short."""
     with pytest.raises(RuntimeError, match="1 entries for 2 tokens"):
         render(tok, [3, 4], [TokenLogprob(-0.1, [])])
+
+
+def test_the_token_text_memo_lets_its_tokenizer_go():
+    """The memo is keyed weakly by tokenizer; a value holding its tokenizer kept every one alive for good."""
+    import gc
+    import weakref
+
+    tok = char_tokenizer()
+    render(tok, [3], [TokenLogprob(-0.1, [(4, -0.2)])])
+    ref = weakref.ref(tok)
+    del tok
+    gc.collect()
+    assert ref() is None
