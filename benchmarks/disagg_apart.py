@@ -7,7 +7,6 @@ target and items, interleaved rounds. In process: the Verifier's compute, withou
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import statistics
@@ -20,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import osd_serve.disagg as disagg  # noqa: E402
-from benchmarks.rounds import interleaved, load_pair_dir  # noqa: E402
+from benchmarks.rounds import interleaved, load_for, pair_args  # noqa: E402
 from osd_serve.disagg import Sampling, TargetVerifier, VerifyItem  # noqa: E402
 
 
@@ -40,17 +39,11 @@ def _call(target, decoding: int, long_len: int, k: int, apart: bool) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--pair", required=True)
+    ap = pair_args(__doc__.split("\n\n")[0], rounds=5)
     ap.add_argument("--decoding", type=int, default=7)
     ap.add_argument("--long", type=int, default=1800)
-    ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    target, _, _ = load_pair_dir(args.pair)
+    target, _, _ = load_for(args)
     times = interleaved({label: functools.partial(_call, target, args.decoding, args.long, args.k, label == "apart")
                          for label in ("padded", "apart")}, args.rounds)
     med = {label: statistics.median(t) for label, t in times.items()}

@@ -8,7 +8,6 @@ token texts an API reply renders (measured apart: ``render_s``, with the per-tok
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -19,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.rounds import interleaved, load_pair_dir  # noqa: E402
+from benchmarks.rounds import interleaved, load_for, pair_args  # noqa: E402
 from osd_serve.config import EngineConfig, SamplingParams  # noqa: E402
 from osd_serve.engine import SpecEngine  # noqa: E402
 from osd_serve.logprobs import render  # noqa: E402
@@ -40,17 +39,12 @@ def _run(target, draft, tok, prompts, n: int | None, k: int, max_tokens: int) ->
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--pair", required=True, help="an osd-serve bootstrap directory (target/, draft/)")
+    ap = pair_args(__doc__, rounds=5, out="benchmarks/results/logprobs_cost.json")
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--n", type=int, nargs="+", default=[0, 5, 20], help="alternatives per token to ask for")
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--out", default="benchmarks/results/logprobs_cost.json")
     a = ap.parse_args()
-    torch.set_num_threads(2)
-    target, draft, tok = load_pair_dir(a.pair)
+    target, draft, tok = load_for(a)
     g = torch.Generator().manual_seed(0)
     vocab = target.config.vocab_size
     prompts = [torch.randint(3, vocab, (int(torch.randint(8, 40, (1,), generator=g)),), generator=g).tolist()

@@ -12,7 +12,6 @@ has its first token:
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import statistics
@@ -24,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.rounds import interleaved, load_pair_dir  # noqa: E402
+from benchmarks.rounds import interleaved, load_for, pair_args  # noqa: E402
 from osd_serve.config import EngineConfig, SamplingParams  # noqa: E402
 from osd_serve.engine import SpecEngine  # noqa: E402
 
@@ -53,17 +52,11 @@ def _run(target, draft, tok, budget: int | None, long_len: int, k: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--pair", required=True, help="a directory with target/ and draft/ (osd-serve bootstrap)")
+    ap = pair_args(__doc__.split("\n\n")[0], rounds=3)
     ap.add_argument("--budgets", nargs="+", default=["none", "1024", "256"])
     ap.add_argument("--long", type=int, default=1800, help="tokens of the prompt that arrives")
-    ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    target, draft, tok = load_pair_dir(args.pair)
+    target, draft, tok = load_for(args)
     budgets = [None if b == "none" else int(b) for b in args.budgets]
     runs = interleaved({str(b): functools.partial(_run, target, draft, tok, b, args.long, args.k) for b in budgets},
                        args.rounds)

@@ -3,6 +3,7 @@ runs timed in interleaved rounds, so drift of a shared machine hits every varian
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -15,6 +16,25 @@ T = TypeVar("T")
 def load_pair_dir(pair: str | Path):
     """(target, draft, tokenizer) of an ``osd-serve bootstrap`` directory (target/ and draft/), on the CPU."""
     return load_pair(ModelConfig(target=str(Path(pair) / "target"), draft=str(Path(pair) / "draft"), device="cpu"))
+
+
+def pair_args(description: str, rounds: int, out: str | None = None) -> argparse.ArgumentParser:
+    """The options every pair benchmark here takes (--pair, --k, --rounds, --threads, --out); add its own."""
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pair", required=True, help="a directory with target/ and draft/ (osd-serve bootstrap)")
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=out)
+    return ap
+
+
+def load_for(args: argparse.Namespace):
+    """(target, draft, tokenizer) of ``args.pair``, with torch on ``args.threads`` threads."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    return load_pair_dir(args.pair)
 
 
 def interleaved(runs: dict[str, Callable[[], T]], rounds: int) -> dict[str, list[T]]:
