@@ -59,14 +59,36 @@ def test_greedy_on_cuda_equals_target(pair_dirs, backend):
     for bs in (1, 8):  # batch 8 mixes prompt lengths, so the KV cache has holes and a 2D mask
         eng = SpecEngine(target, draft, tok, EngineConfig(max_batch_size=bs))
         outs = eng.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, num_speculative_tokens=3, ignore_eos=True))
-        ties = 0
-        for p, o, ref in zip(prompts, outs, refs):
-            if o.token_ids != ref:  # the bench's rule: a split is a near-tie only within two bf16 steps of the top logit
-                with torch.inference_mode():
-                    gap, tie = divergence(target, p, ref, o.token_ids)
-                assert gap < tie, f"{backend} batch {bs}: output leaves target greedy (gap {gap:.3f}, tie {tie:.3f})"
-                ties += 1
-        assert ties <= 0.1 * len(prompts), f"{backend} batch {bs}: {ties} near-ties is not rare"
+        _assert_target_greedy(target, prompts, [o.token_ids for o in outs], refs, f"{backend} batch {bs}")
+
+
+def _assert_target_greedy(target, prompts, outs, refs, label: str) -> None:
+    ties = 0
+    for p, o, ref in zip(prompts, outs, refs):
+        if o != ref:  # the bench's rule: a split is a near-tie only within two bf16 steps of the top logit
+            with torch.inference_mode():
+                gap, tie = divergence(target, p, ref, o)
+            assert gap < tie, f"{label}: output leaves target greedy (gap {gap:.3f}, tie {tie:.3f})"
+            ties += 1
+    assert ties <= 0.1 * len(prompts), f"{label}: {ties} near-ties is not rare"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_disaggregated_verifier_on_cuda_equals_target(pair_dirs, backend):
+    """The disaggregated topology's core (the TargetVerifier and DraftWorker that deployments/disagg.py
+    wraps) on the GPU: concurrent requests batched into one verification, a share of calls sent to the
+    replica without the row's cache (recomputed), output still the target's greedy decoding."""
+    from tests.test_disagg import _serve
+
+    target, draft, tok = load_pair(ModelConfig(pair_dirs["target"], pair_dirs["draft"], device="cuda",
+                                               dtype="bfloat16", attn_implementation=backend))
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, len(tok)) for _ in range(rng.randint(1, 24))] for _ in range(16)]
+    refs = [_hf_greedy(target, p) for p in prompts]
+    params = SamplingParams(max_tokens=MAX_TOKENS, num_speculative_tokens=3, ignore_eos=True)
+    reqs, _, verifiers, verdicts = _serve(target, draft, tok, prompts, params)
+    assert sum(v.recomputed > 0 for v in verdicts) > 0  # a row verified where its cache was not
+    _assert_target_greedy(target, prompts, [r.output_ids for r in reqs], refs, f"disaggregated {backend}")
 
 
 def test_sdpa_flash_kernel_serves_plain_decoding(pair_dirs):
@@ -77,7 +99,7 @@ def test_sdpa_flash_kernel_serves_plain_decoding(pair_dirs):
     target, draft, tok = load_pair(ModelConfig(pair_dirs["target"], pair_dirs["draft"], device="cuda",
                                                dtype="bfloat16", attn_implementation="sdpa"))
     prompt = [5, 9, 13, 7]
-    ref, _ = _hf_greedy(target, prompt)
+    ref = _hf_greedy(target, prompt)
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
         out = SpecEngine(target, draft, tok).generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, num_speculative_tokens=0,
                                                                               ignore_eos=True))

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Build flash-attn on a CUDA machine that cannot download (the lent device), for the GPU bench's
+# flash-attention-2 path. PyPI has flash-attn as a source distribution only, and the device has nvcc.
+#   here:        bash benchmarks/gpu_flash_attn.sh fetch      # the sdist into .fa/ (git-ignored), ~8 MB
+#   on the GPU:  bash benchmarks/gpu_flash_attn.sh build      # carry .fa; builds in the background
+#                bash benchmarks/gpu_flash_attn.sh wait       # a later call: waits, then says if it imports
+# The build runs under setsid so it outlives the call that starts it (the device keeps such a process
+# while the machine is held), and it compiles for this GPU's architecture alone: all four of flash-attn's
+# default architectures would take four times as long. Then: PYTHONPATH=/tmp/fa-site:$PWD bash benchmarks/run_gpu_bench.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+version=${FLASH_ATTN_VERSION:-2.8.3.post2}
+site=/tmp/fa-site log=/tmp/fa-build.log
+case "${1:-}" in
+  fetch)
+    ex=$(git rev-parse --git-path info/exclude); mkdir -p .fa "$(dirname "$ex")"
+    grep -qx '/.fa/' "$ex" 2>/dev/null || echo /.fa/ >> "$ex"
+    url=$(curl -fsS https://pypi.org/simple/flash-attn/ | grep -o "https://[^\"#]*flash_attn-$version.tar.gz" | head -1)
+    curl -fsS -o ".fa/flash_attn-$version.tar.gz" "$url" && ls -l .fa ;;
+  build)
+    arch=$(python3 -c "import torch; a, b = torch.cuda.get_device_capability(); print(f'{a}{b}')")
+    echo "building flash-attn $version for sm_$arch into $site; log: $log"
+    FLASH_ATTN_CUDA_ARCHS=$arch FLASH_ATTENTION_FORCE_BUILD=TRUE MAX_JOBS=${MAX_JOBS:-$(nproc)} NVCC_THREADS=1 \
+      setsid bash -c "python3 -m pip install -v --no-index --no-deps --no-build-isolation --target $site \
+        .fa/flash_attn-$version.tar.gz > $log 2>&1; echo \"exit \$?\" >> $log" < /dev/null & disown
+    sleep "${WAIT_S:-5}"; tail -3 "$log" ;;
+  wait)
+    [ -f "$log" ] || { echo "no build was started on this machine (a fresh one is bare): run build first" >&2; exit 1; }
+    until grep -q '^exit ' "$log"; do sleep 10; done
+    tail -5 "$log"
+    PYTHONPATH=$site python3 -c "import flash_attn; print('flash_attn', flash_attn.__version__)" ;;
+  *) echo "usage: $0 fetch|build|wait" >&2; exit 2 ;;
+esac
