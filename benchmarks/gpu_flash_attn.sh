@@ -5,8 +5,8 @@
 #   on the GPU:  bash benchmarks/gpu_flash_attn.sh build      # carry .fa; builds in the background
 #                bash benchmarks/gpu_flash_attn.sh wait       # a later call: waits, then says if it imports
 # The build runs under setsid so it outlives the call that starts it (the device keeps such a process
-# while the machine is held), and it compiles for this GPU's architecture alone: all four of flash-attn's
-# default architectures would take four times as long. Then: PYTHONPATH=/tmp/fa-site:$PWD bash benchmarks/run_gpu_bench.sh
+# while the machine is held), and it compiles for this GPU's architecture alone: flash-attn's default builds
+# four (sm_80, 90, 100 and 120), each compiled in turn for every kernel. Then: PYTHONPATH=/tmp/fa-site:$PWD bash benchmarks/run_gpu_bench.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 version=${FLASH_ATTN_VERSION:-2.8.3.post2}

@@ -378,8 +378,9 @@ class TargetVerifier:
         u = u.to(dev)
         tokens, n_acc, _ = accept(logits, rows, draft, q, u)
         broken = broken_rows(logits, n_acc).tolist()  # [B]: argmax and sampling would have said token 0
-        lps = step_logprobs(logits, tokens, n_acc, [it.logprobs for it in items])
-        n_acc_l, tokens = n_acc.tolist(), tokens.tolist()
+        n_acc_l = n_acc.tolist()
+        lps = step_logprobs(logits, tokens, n_acc_l, [it.logprobs for it in items])
+        tokens = tokens.tolist()
         if self.recorder is not None:
             if q is None:  # all greedy: the draft's q is one-hot at its tokens (padding past k_i is never read)
                 q = torch.nn.functional.one_hot(draft, self.vocab).float()  # [B, k, V]

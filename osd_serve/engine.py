@@ -285,7 +285,7 @@ class SpecEngine:
         out = speculative_step(self._target_kv, self._draft_kv, rows, self.vocab, u_draft, u_verify)
         tokens, n_acc = out.tokens.tolist(), out.num_accepted.tolist()
         broken = broken_rows(out.target_logits, out.num_accepted).tolist()  # [B]
-        logprobs = step_logprobs(out.target_logits, out.tokens, out.num_accepted, [r.params.logprobs for r in self.running])
+        logprobs = step_logprobs(out.target_logits, out.tokens, n_acc, [r.params.logprobs for r in self.running])
         if self.recorder is not None:
             before = [len(r.output_ids) for r in self.running]
             self.recorder.observe(self.running, out, n_acc, k_rows, before, self.draft_version)

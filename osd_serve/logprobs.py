@@ -26,12 +26,13 @@ class TokenLogprob(NamedTuple):
     top: list[tuple[int, float]]  # the n likeliest ids with their logprobs, likeliest first (n = the request's logprobs)
 
 
-def step_logprobs(target_logits: torch.Tensor, tokens: torch.Tensor, num_accepted: torch.Tensor,
+def step_logprobs(target_logits: torch.Tensor, tokens: torch.Tensor, num_accepted: list[int],
                   wanted: list[int | None]) -> list[list[TokenLogprob] | None]:
     """Per row, the TokenLogprobs of the tokens its step emits (tokens[i, :num_accepted[i] + 1]), or None
     where ``wanted[i]`` (the row's n alternatives) is None.
 
-    target_logits [B, k+1, V] raw, fit to the vocabulary; tokens [B, k+1] int64, -1 padded; num_accepted [B]."""
+    target_logits [B, k+1, V] raw, fit to the vocabulary; tokens [B, k+1] int64, -1 padded; num_accepted: B ints
+    (the caller's own list: the step already read them to the host)."""
     rows = [i for i, n in enumerate(wanted) if n is not None]
     out: list[list[TokenLogprob] | None] = [None] * len(wanted)
     if not rows:
@@ -45,10 +46,10 @@ def step_logprobs(target_logits: torch.Tensor, tokens: torch.Tensor, num_accepte
     n_max = min(max(wanted[i] for i in rows), x.shape[-1])
     top_v, top_i = x.topk(n_max, dim=-1)  # [R, k+1, n_max], likeliest first
     top_v = top_v - lse
-    chosen_l, top_vl, top_il, n_acc = chosen.tolist(), top_v.tolist(), top_i.tolist(), num_accepted.tolist()
+    chosen_l, top_vl, top_il = chosen.tolist(), top_v.tolist(), top_i.tolist()
     for r, i in enumerate(rows):
         n = wanted[i]
-        out[i] = [TokenLogprob(chosen_l[r][j], list(zip(top_il[r][j][:n], top_vl[r][j][:n]))) for j in range(n_acc[i] + 1)]
+        out[i] = [TokenLogprob(chosen_l[r][j], list(zip(top_il[r][j][:n], top_vl[r][j][:n]))) for j in range(num_accepted[i] + 1)]
     return out
 
 

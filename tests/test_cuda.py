@@ -14,6 +14,7 @@ from osd_serve.bench import divergence
 from osd_serve.config import EngineConfig, SamplingParams
 from osd_serve.engine import SpecEngine
 from osd_serve.loading import ModelConfig, attention_backend, flash_attn_importable, load_pair
+from tests.test_engine import _hf_greedy
 
 MAX_TOKENS = 16
 BACKENDS = ["sdpa"] + (["flash_attention_2"] if flash_attn_importable() else [])
@@ -42,14 +43,6 @@ def test_auto_backend_on_cuda():
     assert attention_backend(torch.device("cuda")) == expected
 
 
-@torch.inference_mode()
-def _hf_greedy(model, prompt: list[int]) -> list[int]:
-    ids = torch.tensor([prompt], device=model.device)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
-                         do_sample=False)
-    return out[0, len(prompt):].tolist()
-
-
 @pytest.mark.parametrize("device,dtype,backend", CASES)
 def test_greedy_on_cuda_equals_target(pair_dirs, device, dtype, backend):
     target, draft, tok = load_pair(ModelConfig(pair_dirs["target"], pair_dirs["draft"], device=device,
@@ -57,7 +50,7 @@ def test_greedy_on_cuda_equals_target(pair_dirs, device, dtype, backend):
     assert target.config._attn_implementation == backend and target.device.type == device
     rng = random.Random(0)
     prompts = [[rng.randrange(3, len(tok)) for _ in range(rng.randint(1, 24))] for _ in range(24)]
-    refs = [_hf_greedy(target, p) for p in prompts]
+    refs = [_hf_greedy(target, p, MAX_TOKENS) for p in prompts]
     for bs in (1, 8):  # batch 8 mixes prompt lengths, so the KV cache has holes and a 2D mask
         eng = SpecEngine(target, draft, tok, EngineConfig(max_batch_size=bs))
         outs = eng.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, num_speculative_tokens=3, ignore_eos=True))
@@ -86,7 +79,7 @@ def test_disaggregated_verifier_on_cuda_equals_target(pair_dirs, device, dtype, 
                                                dtype=dtype, attn_implementation=backend))
     rng = random.Random(1)
     prompts = [[rng.randrange(3, len(tok)) for _ in range(rng.randint(1, 24))] for _ in range(16)]
-    refs = [_hf_greedy(target, p) for p in prompts]
+    refs = [_hf_greedy(target, p, MAX_TOKENS) for p in prompts]
     params = SamplingParams(max_tokens=MAX_TOKENS, num_speculative_tokens=3, ignore_eos=True)
     reqs, _, _, verdicts = _serve(target, draft, tok, prompts, params)
     assert sum(v.recomputed > 0 for v in verdicts) > 0  # a row verified where its cache was not
@@ -102,7 +95,7 @@ def test_sdpa_flash_kernel_serves_plain_decoding(pair_dirs, device, dtype):
     target, draft, tok = load_pair(ModelConfig(pair_dirs["target"], pair_dirs["draft"], device=device,
                                                dtype=dtype, attn_implementation="sdpa"))
     prompt = [5, 9, 13, 7]
-    ref = _hf_greedy(target, prompt)
+    ref = _hf_greedy(target, prompt, MAX_TOKENS)
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
         out = SpecEngine(target, draft, tok).generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, num_speculative_tokens=0,
                                                                               ignore_eos=True))

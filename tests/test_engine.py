@@ -24,7 +24,7 @@ def _prompts(vocab: int, n: int = 50, seed: int = 0) -> list[list[int]]:
 
 @torch.inference_mode()
 def _hf_greedy(model, prompt: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False)
     return out[0, len(prompt):].tolist()
 

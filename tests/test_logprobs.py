@@ -113,7 +113,7 @@ def test_step_logprobs_rows_and_counts():
     """Rows not asking get None; n 0 gives the token's own only; n past the vocabulary is cut to it."""
     logits = torch.randn(3, 4, 6)  # [B, k+1, V]
     tokens = torch.tensor([[1, 2, -1, -1], [3, -1, -1, -1], [0, 5, 4, 2]])
-    out = step_logprobs(logits, tokens, torch.tensor([1, 0, 3]), [0, None, 9])
+    out = step_logprobs(logits, tokens, [1, 0, 3], [0, None, 9])
     assert out[1] is None and len(out[0]) == 2 and len(out[2]) == 4
     lp = logits.log_softmax(-1)
     assert out[0][1] == TokenLogprob(pytest.approx(lp[0, 1, 2].item()), [])
@@ -153,7 +153,7 @@ def test_an_overflowed_logit_is_all_the_mass_not_nan():
     logprob is 0 and the others floor out; log_softmax made the whole row NaN, which JSON cannot carry."""
     logits = torch.zeros(1, 1, 8)
     logits[0, 0, 5] = float("inf")
-    [[e]] = step_logprobs(logits, torch.tensor([[5]]), torch.tensor([0]), [2])
+    [[e]] = step_logprobs(logits, torch.tensor([[5]]), [0], [2])
     assert e.logprob == 0.0 and e.top[0] == (5, 0.0) and e.top[1][1] == float("-inf")
     [out] = render(char_tokenizer(), [5], [e])
     assert out["logprob"] == 0.0 and out["top_logprobs"][1]["logprob"] == -9999.0
