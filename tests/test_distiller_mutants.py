@@ -399,7 +399,7 @@ def test_admin_experts_shows_the_controllers_jobs_json_safe(plain_ray, monkeypat
         return {"experts": {"default": {"updates": 0}}}
 
     server = object.__new__(SpecServer.func_or_class)
-    server.service = SimpleNamespace(admin_experts=experts)
+    server.service = SimpleNamespace(admin_experts=experts, close=lambda: None)  # __del__ closes it
     server.controller = SimpleNamespace(report=SimpleNamespace(remote=answer))
     out = asyncio.run(server.admin("experts"))
     assert out["distill_controller"] == report and out["experts"] == {"default": {"updates": 0}}

@@ -53,7 +53,8 @@ def test_openai_sdk_main_paths(app):
         newer = await c.chat.completions.create(model="osd-serve", messages=[{"role": "user", "content": "x"}], max_tokens=2, store=False,
                                                 metadata=None, service_tier="auto", parallel_tool_calls=False, reasoning_effort=None,
                                                 modalities=["text"], safety_identifier="u-1", prompt_cache_key="k", stream=True,
-                                                stream_options={"include_usage": True, "include_obfuscation": False})
+                                                stream_options={"include_usage": True, "include_obfuscation": False},
+                                                extra_body={"ignore_eos": True})  # sampled: an EOS drawn would end it early
         assert [ch async for ch in newer][-1].usage.completion_tokens == 2
         with pytest.raises(openai.BadRequestError) as e:  # one that asks for something is still refused, by name
             await c.chat.completions.create(model="osd-serve", messages=[{"role": "user", "content": "x"}], store=True)
