@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -34,18 +35,24 @@ def test_two_trees_each_import_their_own_code_and_are_timed_per_round(pair, tmp_
     for sub in ("osd_serve", "kernels"):
         shutil.copytree(ROOT / sub, copy / sub, ignore=shutil.ignore_patterns("__pycache__"))
     gpu_ab.main(["run", "--pair", str(pair), "--tree", f"head={ROOT}", "--tree", f"copy={copy}", "--k", "0,2",
-                 "--rounds", "1", "--prompts", "2", "--max-tokens", "6", "--device", "cpu", "--dtype", "float32"])
+                 "--rounds", "1", "--prompts", "1", "--max-tokens", "4", "--device", "cpu", "--dtype", "float32"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(out["rounds_ms_per_step"]) == {"head", "copy"}
     assert all(len(v) == 1 and min(v) > 0 for per in out["rounds_ms_per_step"].values() for v in per.values())
-    assert out["over_head"]["head"] == {"0": 1.0, "2": 1.0}
+    assert out["over_head"]["head"] == {"0": 1.0, "2": 1.0} and out["args"]["prompts"] == 1
 
 
-def test_a_tree_that_imports_another_osd_serve_is_refused(pair, tmp_path):
-    empty = tmp_path / "empty"
-    (empty / "osd_serve").mkdir(parents=True)  # no code: the worker imports the installed (editable) osd_serve
-    with pytest.raises(SystemExit, match="failed|imported osd_serve from"):
-        gpu_ab.time_tree(empty, dict(pair=str(pair), dtype="float32", device="cpu", prompts=1, max_tokens=4, batch=1, ks=[0]))
+def test_a_tree_that_imports_another_osd_serve_is_refused(tmp_path, monkeypatch):
+    """The worker names the file its engine came from (the two-tree test runs it for real); one from
+    outside the tree, an installed osd_serve standing in for a tree that lacks a module, is refused."""
+    other = json.dumps({"from": str(ROOT / "osd_serve" / "engine.py"), "ms": {"0": 1.0}})
+    done = subprocess.CompletedProcess([], 0, stdout=f"AB {other}\n", stderr="")
+    monkeypatch.setattr(gpu_ab.subprocess, "run", lambda *a, **kw: done)
+    with pytest.raises(SystemExit, match="imported osd_serve from"):
+        gpu_ab.time_tree(tmp_path, {})
+    monkeypatch.setattr(gpu_ab.subprocess, "run", lambda *a, **kw: subprocess.CompletedProcess([], 1, "", "ImportError: x"))
+    with pytest.raises(SystemExit, match="failed .exit 1.:\nImportError: x"):
+        gpu_ab.time_tree(tmp_path, {})
 
 
 @pytest.mark.parametrize("trees,msg", [(["a=/nonexistent"], "no osd_serve"), ([f"a={ROOT}"], "two or more")])
