@@ -3,8 +3,8 @@ change or the machine? Stop 55's GPU run read batch 1's k = 4 steps at 35.3 ms a
 on a device whose speed moves between loans (benchmarks/GPU.md), so only runs interleaved on one machine
 can tell.
 
-Each round runs every tree in a fresh process (its own imports: PYTHONPATH and cwd are the tree), the
-order alternating between rounds so a drift of the machine falls on both. A process loads the pair, runs
+Each round runs every tree in a fresh process (its own imports: PYTHONPATH and cwd are the tree), in
+interleaved rounds (benchmarks/rounds.py) so a drift of the machine falls on both. A process loads the pair, runs
 one untimed generation (warm-up: CUDA's first kernels, the allocator), then times the engine at each k.
 The figure is the engine's own per-step draft + target time (StepStats, synchronised there), in ms per
 step, so prefill and the loop's Python are left out as in the bench's S comparison.
@@ -18,6 +18,7 @@ tree's median over the first tree's."""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -26,6 +27,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.rounds import interleaved  # noqa: E402
 
 # Run in the tree's own process: only APIs both stop 27's tree and today's have (load_pair, SpecEngine,
 # generate(stats=), StepStats.draft_time / target_time).
@@ -94,13 +98,15 @@ def run(ns: argparse.Namespace) -> dict:
     ks = [int(k) for k in ns.k.split(",")]
     args = dict(pair=str(Path(ns.pair).resolve()), dtype=ns.dtype, device=ns.device, prompts=ns.prompts,
                 max_tokens=ns.max_tokens, batch=ns.batch, ks=ks)
-    rounds: dict[str, dict[int, list[float]]] = {name: {k: [] for k in ks} for name, _ in trees}
-    for r in range(ns.rounds):
-        for name, tree in trees if r % 2 == 0 else trees[::-1]:
-            for k, ms in time_tree(tree, args).items():
-                rounds[name][k].append(ms)
-            print(f"round {r + 1}/{ns.rounds} {name}: " + ", ".join(f"k={k} {rounds[name][k][-1]:.2f} ms/step" for k in ks),
-                  file=sys.stderr, flush=True)
+
+    def timed(name: str, tree: Path) -> dict[int, float]:
+        ms = time_tree(tree, args)
+        print(f"{name}: " + ", ".join(f"k={k} {ms[k]:.2f} ms/step" for k in ks), file=sys.stderr, flush=True)
+        return ms
+
+    # each process warms itself up (its first generation is untimed): no round is dropped
+    per_round = interleaved({name: functools.partial(timed, name, tree) for name, tree in trees}, ns.rounds, warmup=False)
+    rounds = {name: {k: [ms[k] for ms in got] for k in ks} for name, got in per_round.items()}
     base = trees[0][0]
     med = {name: {k: statistics.median(v) for k, v in per.items()} for name, per in rounds.items()}
     return {"args": args, "rounds_ms_per_step": rounds, "median_ms_per_step": med,

@@ -37,12 +37,13 @@ def load_for(args: argparse.Namespace):
     return load_pair_dir(args.pair)
 
 
-def interleaved(runs: dict[str, Callable[[], T]], rounds: int) -> dict[str, list[T]]:
-    """Each run once per round, in turn, for ``rounds`` rounds after one that warms up and is dropped."""
+def interleaved(runs: dict[str, Callable[[], T]], rounds: int, warmup: bool = True) -> dict[str, list[T]]:
+    """Each run once per round, in turn, for ``rounds`` rounds after one that warms up and is dropped
+    (``warmup=False``: none, for runs that warm themselves up)."""
     out: dict[str, list[T]] = {label: [] for label in runs}
-    for r in range(rounds + 1):
+    for r in range(rounds + warmup):
         for label, run in runs.items():
             res = run()
-            if r:
+            if r >= warmup:
                 out[label].append(res)
     return out

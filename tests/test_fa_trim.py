@@ -3,17 +3,15 @@ It edits another project's files, so each edit is checked on text shaped like fl
 the real sdist where benchmarks/gpu_flash_attn.sh fetch has put it (.fa/, git-ignored)."""
 from __future__ import annotations
 
-import importlib.util
 import re
 import tarfile
 from pathlib import Path
 
 import pytest
 
+from benchmarks import fa_trim
+
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("fa_trim", ROOT / "benchmarks" / "fa_trim.py")
-fa_trim = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(fa_trim)
 
 KERNELS = [f'                "csrc/flash_attn/src/flash_{kind}_hdim{d}_{t}{c}_sm80.cu",\n'
            for kind in ("fwd", "bwd", "fwd_split") for d in fa_trim.SIZES for t in ("fp16", "bf16") for c in ("", "_causal")]

@@ -2,7 +2,6 @@
 osd_serve. Run here on the CPU with a tiny pair (the device runs it on CUDA)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import subprocess
@@ -10,12 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import gpu_ab
 from tests.conftest import char_tokenizer, llama, perturbed
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("gpu_ab", ROOT / "benchmarks" / "gpu_ab.py")
-gpu_ab = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(gpu_ab)
 
 
 @pytest.fixture(scope="module")
