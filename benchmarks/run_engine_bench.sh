@@ -11,8 +11,9 @@
 # A third pair, big_random_pair, asks whether the engine's shortfalls come from the pairs' size: a
 # 189M-parameter target (755 MB in float32, past this host's 260 MB L3, so a decode step streams its
 # weights from memory) with random weights and a 2-layer layer-skip draft (benchmarks/gpu_pair.py;
-# speed depends on sizes and acceptance, not on what the weights know); float32 only, 8 prompts and
-# k <= 4, ~9 minutes on 2 cores. PAIRS="default data big" (the default) picks which pairs run;
+# speed depends on sizes and acceptance, not on what the weights know); 8 prompts and k <= 4, in float32
+# (~9 minutes on 2 cores) and, like the others, in bf16 where the CPU has it (~12 minutes with AMX).
+# PAIRS="default data big" (the default) picks which pairs run;
 # PAIRS=none only rewrites ENGINE.md from the reports there. TAG=_amx (any suffix) names the reports
 # engine_PAIR[_bf16]_amx.json, so a run on another host sits beside the reports of this one.
 # OSD_DATA_PAIR=DIR benches that built data pair as it is instead of bootstrapping one (the reports'
@@ -51,8 +52,11 @@ if [[ " $PAIRS " == *" big "* ]]; then
     python benchmarks/gpu_pair.py --out "$big" --hidden 1024 --layers 16 --intermediate 2816 --heads 16 --kv-heads 4 \
       --draft-layers 2 --vocab 4096 --dtype float32 --deep-scale 0.02 >/dev/null
   fi
-  osd-serve bench --target "$big/target" --draft "$big/draft" --dtype float32 --threads 2 --num-prompts 8 --max-k 4 \
-    --repeats 3 --out "$out/engine_big_random_pair${TAG:-}.json" >/dev/null
+  for dt in $DTYPES; do  # its draft is two of the target's layers, so it streams weights too: bf16 beside a bf16 target
+    suffix=$([ "$dt" = float32 ] && echo "" || echo "_bf16")
+    osd-serve bench --target "$big/target" --draft "$big/draft" --dtype "$dt" --draft-dtype "$dt" --threads 2 \
+      --num-prompts 8 --max-k 4 --repeats 3 --out "$out/engine_big_random_pair$suffix${TAG:-}.json" >/dev/null
+  done
 fi
 {
   printf '# Engine benchmark (issue 2)\n\nRegenerate with `bash benchmarks/run_engine_bench.sh` (builds the pairs if needed; the data pair\n'
