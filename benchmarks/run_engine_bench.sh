@@ -52,7 +52,9 @@ if [[ " $PAIRS " == *" big "* ]]; then
     python benchmarks/gpu_pair.py --out "$big" --hidden 1024 --layers 16 --intermediate 2816 --heads 16 --kv-heads 4 \
       --draft-layers 2 --vocab 4096 --dtype float32 --deep-scale 0.02 >/dev/null
   fi
-  for dt in $DTYPES; do  # its draft is two of the target's layers, so it streams weights too: bf16 beside a bf16 target
+  # Its draft is two of the target's layers and streams weights too: bf16 beside a bf16 target, 1.07x and 1.26x
+  # a float32 draft at batch 1 and 8 (benchmarks/draft_dtype.py, results/draft_dtype_big_random_pair_amx.json).
+  for dt in $DTYPES; do
     suffix=$([ "$dt" = float32 ] && echo "" || echo "_bf16")
     osd-serve bench --target "$big/target" --draft "$big/draft" --dtype "$dt" --draft-dtype "$dt" --threads 2 \
       --num-prompts 8 --max-k 4 --repeats 3 --out "$out/engine_big_random_pair$suffix${TAG:-}.json" >/dev/null
@@ -76,8 +78,8 @@ fi
   printf 'v 1.31-2.19 and (c)/(a) 1.05-1.08. Its linears of 8 rows cost 1.24x those of 1 row since kernels/cpu_skinny.cpp\n'
   printf 'streams the next weight block during a block'"'"'s later tiles (1.50x before; results/cpu_linear_big_random.jsonl),\n'
   printf 'which sped up the target alone at batch 8 more than the engine. In bf16 on the AMX host (engine_big_random_pair_bf16_amx,\n'
-  printf 'draft bf16 too) a step reads its 378 MB in 42 ms, and up to 5 rows cost about what 1 does: v 1.06-1.08 at batch 1, measured/analytic\n'
-  printf '0.89-0.96 at every k; batch 8: v 1.18-1.43, (c)/(a) 1.39-1.42 at k 2-4 and 1.24 at k = 1 (S 1.58), prefill 12%%.\n'
+  printf 'draft bf16 too: 1.07x/1.26x a float32 one at batch 1/8) a step reads 378 MB in 42 ms, and up to 5 rows cost about what 1 does: v 1.06-1.08\n'
+  printf 'at batch 1, measured/analytic 0.89-0.96 at every k; batch 8: v 1.18-1.43, (c)/(a) 1.39-1.42 at k 2-4, 1.24 at k = 1 (S 1.58).\n'
   printf 'A GPU is the machine speculation is built for: an H200 reads 4.8 TB/s against\n'
   printf '~990 TFLOP/s of bf16, ~200 FLOP per byte, and there measured/analytic is 0.94-0.99 at batch 1 in GPU.md'"'"'s 3-round run (k 1-4).\n\n'
   printf 'The `_amx` reports come from another host (TAG=_amx): the same 2 cores with AMX, whose tiles make a bf16\n'

@@ -71,7 +71,10 @@ class ModelConfig:
         elementwise ops convert). Beside a bfloat16 target on the AMX host, the default and data pairs'
         drafts cost c = 0.15 of a target forward in bfloat16 and 0.11 in float32 at batch 1, and the
         engine ran 1.05-1.09x faster at batch 1 and 1.00-1.03x at batch 8 with the float32 draft
-        (benchmarks/draft_dtype.py, results/draft_dtype_*_amx.json). The target still verifies every
+        (benchmarks/draft_dtype.py, results/draft_dtype_*_amx.json). A draft that streams its weights is
+        the other way: the big random pair's 31M draft ran the engine 1.07x faster at batch 1 and 1.26x at
+        batch 8 in bfloat16 (results/draft_dtype_big_random_pair_amx.json); two sizes do not place a
+        threshold, so auto keeps float32 and such a draft sets draft_dtype. The target still verifies every
         token; only the proposals change (and with them a greedy output at the target's near-ties, and a
         seeded sample's exact tokens)."""
         if self.draft_dtype != "auto":
