@@ -27,23 +27,25 @@ if [ -z "${DTYPES:-}" ]; then
   DTYPES=float32
   if grep -q -w -E 'avx512_bf16|amx_bf16' /proc/cpuinfo 2>/dev/null; then DTYPES="float32 bfloat16"; fi
 fi
-bench_pair() {  # NAME PAIR_JSON
-  local t d
+bench_pair() {  # NAME PAIR_JSON DRAFT_DTYPE (auto, or "target": the target's dtype) [more bench arguments]
+  local t d dd
   t=$(python -c 'import json,sys; print(json.loads(sys.argv[1])["target"])' "$2")
   d=$(python -c 'import json,sys; print(json.loads(sys.argv[1])["draft"])' "$2")
   for dt in $DTYPES; do
     suffix=$([ "$dt" = float32 ] && echo "" || echo "_bf16")
-    osd-serve bench --target "$t" --draft "$d" --dtype "$dt" --threads 2 --repeats 3 --out "$out/engine_$1$suffix${TAG:-}.json" >/dev/null
+    dd=$([ "$3" = target ] && echo "$dt" || echo "$3")
+    osd-serve bench --target "$t" --draft "$d" --dtype "$dt" --draft-dtype "$dd" --threads 2 --repeats 3 "${@:4}" \
+      --out "$out/engine_$1$suffix${TAG:-}.json" >/dev/null
   done
 }
 PAIRS=${PAIRS:-default data big}
 if [[ " $PAIRS " == *" default "* ]]; then
-  bench_pair default_pair "$(osd-serve bootstrap | tail -n 1)"
+  bench_pair default_pair "$(osd-serve bootstrap | tail -n 1)" auto
 fi
 if [[ " $PAIRS " == *" data "* && -n "${OSD_DATA_PAIR:-}" ]]; then  # a built data pair's directory, as is
-  bench_pair data_pair "{\"target\": \"$OSD_DATA_PAIR/target\", \"draft\": \"$OSD_DATA_PAIR/draft\"}"
+  bench_pair data_pair "{\"target\": \"$OSD_DATA_PAIR/target\", \"draft\": \"$OSD_DATA_PAIR/draft\"}" auto
 elif [[ " $PAIRS " == *" data "* && -d "$D" ]]; then
-  bench_pair data_pair "$(osd-serve bootstrap --data "$D/gsm8k/train.jsonl" "$D/spider/train_spider.json" "$D/mbpp/mbpp.jsonl" | tail -n 1)"
+  bench_pair data_pair "$(osd-serve bootstrap --data "$D/gsm8k/train.jsonl" "$D/spider/train_spider.json" "$D/mbpp/mbpp.jsonl" | tail -n 1)" auto
 fi
 if [[ " $PAIRS " == *" big "* ]]; then
   big=${OSD_BIG_PAIR:-$HOME/.cache/osd-serve/big-random-pair}
@@ -54,11 +56,7 @@ if [[ " $PAIRS " == *" big "* ]]; then
   fi
   # Its draft is two of the target's layers and streams weights too: bf16 beside a bf16 target, 1.07x and 1.26x
   # a float32 draft at batch 1 and 8 (benchmarks/draft_dtype.py, results/draft_dtype_big_random_pair_amx.json).
-  for dt in $DTYPES; do
-    suffix=$([ "$dt" = float32 ] && echo "" || echo "_bf16")
-    osd-serve bench --target "$big/target" --draft "$big/draft" --dtype "$dt" --draft-dtype "$dt" --threads 2 \
-      --num-prompts 8 --max-k 4 --repeats 3 --out "$out/engine_big_random_pair$suffix${TAG:-}.json" >/dev/null
-  done
+  bench_pair big_random_pair "{\"target\": \"$big/target\", \"draft\": \"$big/draft\"}" target --num-prompts 8 --max-k 4
 fi
 {
   printf '# Engine benchmark (issue 2)\n\nRegenerate with `bash benchmarks/run_engine_bench.sh` (builds the pairs if needed; the data pair\n'
