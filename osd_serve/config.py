@@ -126,6 +126,9 @@ class EngineConfig:
     # Prompt positions one step may prefill, padding included (prefill.py): a longer prompt is fed in
     # chunks over several steps, and the running rows go on decoding between them. None: no limit.
     prefill_chunk_tokens: int | None = 2048
+    # An admission prefills up to max_batch_size queued prompts (within that budget) in one forward, and
+    # holds those beyond the free slots for the next ones (engine._prefill). False: only the free slots'.
+    prefill_ahead: bool = True
 
     def __post_init__(self) -> None:
         _check(_is_int(self.max_batch_size) and self.max_batch_size >= 1, "max_batch_size", "an integer >= 1", self.max_batch_size)
@@ -137,3 +140,4 @@ class EngineConfig:
                f"an integer in [0, {MAX_SPECULATIVE_TOKENS}]", self.auto_seeded_k)
         _check(self.prefill_chunk_tokens is None or (_is_int(self.prefill_chunk_tokens) and self.prefill_chunk_tokens >= 1),
                "prefill_chunk_tokens", "an integer >= 1 (or None: no limit)", self.prefill_chunk_tokens)
+        _check(isinstance(self.prefill_ahead, bool), "prefill_ahead", "true or false", self.prefill_ahead)
