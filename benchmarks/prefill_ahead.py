@@ -21,8 +21,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.rounds import interleaved, pair_args  # noqa: E402
+from benchmarks.rounds import interleaved, load_for, pair_args  # noqa: E402
 from osd_serve.bench import mismatches  # noqa: E402
+from osd_serve.cli import _read_prompts  # noqa: E402
 from osd_serve.config import EngineConfig, SamplingParams  # noqa: E402
 from osd_serve.engine import SpecEngine  # noqa: E402
 
@@ -42,21 +43,12 @@ def _run(target, draft, tok, prompts, batch: int, k: int, ahead: bool) -> dict:
 
 def main() -> None:
     ap = pair_args(__doc__.split("\n\n")[0], rounds=3)
-    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--ks", type=int, nargs="+", default=[0, 2, 5])
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--batch", type=int, default=8)
     args = ap.parse_args()
-    import torch
-
-    from osd_serve.loading import ModelConfig, load_pair
-
-    torch.set_num_threads(args.threads)
-    pair = Path(args.pair)
-    target, draft, tok = load_pair(ModelConfig(target=str(pair / "target"), draft=str(pair / "draft"), device="cpu",
-                                               dtype=args.dtype))
-    lines = (pair / "prompts.jsonl").read_text().splitlines()[: args.prompts]
-    prompts = [tok(json.loads(line)["prompt"])["input_ids"] for line in lines]
+    target, draft, tok = load_for(args)
+    prompts = [tok(p)["input_ids"] for p in _read_prompts(str(Path(args.pair) / "prompts.jsonl"))[: args.prompts]]
     runs = {f"{k}/{on}": functools.partial(_run, target, draft, tok, prompts, args.batch, k, on)
             for k in args.ks for on in (True, False)}
     got = interleaved(runs, args.rounds)

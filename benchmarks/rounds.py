@@ -13,18 +13,20 @@ from osd_serve.loading import ModelConfig, load_pair
 T = TypeVar("T")
 
 
-def load_pair_dir(pair: str | Path):
+def load_pair_dir(pair: str | Path, dtype: str = "auto"):
     """(target, draft, tokenizer) of an ``osd-serve bootstrap`` directory (target/ and draft/), on the CPU."""
-    return load_pair(ModelConfig(target=str(Path(pair) / "target"), draft=str(Path(pair) / "draft"), device="cpu"))
+    return load_pair(ModelConfig(target=str(Path(pair) / "target"), draft=str(Path(pair) / "draft"), device="cpu",
+                                 dtype=dtype))
 
 
 def pair_args(description: str, rounds: int, out: str | None = None) -> argparse.ArgumentParser:
-    """The options every pair benchmark here takes (--pair, --k, --rounds, --threads, --out); add its own."""
+    """The options every pair benchmark here takes (--pair, --k, --rounds, --threads, --dtype, --out); add its own."""
     ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pair", required=True, help="a directory with target/ and draft/ (osd-serve bootstrap)")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=rounds)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="auto", help="the target's (ModelConfig.dtype; auto: float32 on CPU)")
     ap.add_argument("--out", default=out)
     return ap
 
@@ -34,7 +36,7 @@ def load_for(args: argparse.Namespace):
     import torch
 
     torch.set_num_threads(args.threads)
-    return load_pair_dir(args.pair)
+    return load_pair_dir(args.pair, args.dtype)
 
 
 def interleaved(runs: dict[str, Callable[[], T]], rounds: int, warmup: bool = True) -> dict[str, list[T]]:
