@@ -44,8 +44,28 @@ def full_batch_over_best_k(report: dict, batch: int) -> float | None:
     return auto / max(fixed) if auto and fixed and None not in fixed else None
 
 
-def summary_table(report: dict, title: str) -> str:
-    """A markdown table of one bench report's summary (what the closing notes and benchmarks/ show)."""
+LEGEND = [
+    "v = one target forward over k+1 tokens ÷ one over 1 token (the paper's S assumes v = 1); S(v) puts the measured v in. "
+    "Prefill share: the engine's time prefilling prompts at that k, which S does not model; the last column "
+    "leaves it out of both the engine at k and at k=0.",
+    "",
+    "Tokens/fwd ÷ i.i.d.: the measured tokens per target forward over the (1 − α^(k+1))/(1 − α) that S assumes "
+    "(acceptance is correlated, and max_tokens cuts the last step: \"uncut\" counts only the steps it did not cut). "
+    "measured/S(v, tokens): S with both v and tokens per forward measured, i.e. what is left for the loop; "
+    "measured/analytic = tokens/fwd ÷ i.i.d. × (k·c + 1)/(k·c + v) × measured/S(v, tokens). "
+    "Full batch: the same ratio over only the steps that ran a full batch, their draft and target time only "
+    "(a loaded server's steady state: no drain at the end of the workload, no prefill). "
+    "Loop share: the engine's time outside draft and target forwards and prefill (its bookkeeping). "
+    "1st round ÷ median: far above 1 means the first round paid a warm-up the median leaves out.",
+]
+AUTO_LEGEND = ("k = auto: the engine choosing k each step from calibrated forward costs and the acceptance it "
+               "measures (osd_serve/auto_k.py), against every fixed k of the same run.")
+
+
+def summary_table(report: dict, title: str, legend: bool = True) -> str:
+    """A markdown table of one bench report's summary (what the closing notes and benchmarks/ show).
+    ``legend=False`` leaves out the column legends that are the same for every report (``main`` prints
+    them once above several)."""
     rows = [
         f"### {title}",
         f"target {report['target_params'] / 1e6:.1f}M params, draft {report['draft_params'] / 1e6:.2f}M, "
@@ -81,19 +101,7 @@ def summary_table(report: dict, title: str) -> str:
         + "), whatever the engine's k; (b, k matched) is HF assisted drafting exactly the engine's k, with no "
         "confidence cut-off. At batch 8, (c)/(b) therefore compares the engine's batch with what HF's "
         "assisted generation can do for the same requests.",
-        "",
-        "v = one target forward over k+1 tokens ÷ one over 1 token (the paper's S assumes v = 1); S(v) puts the measured v in. "
-        "Prefill share: the engine's time prefilling prompts at that k, which S does not model; the last column "
-        "leaves it out of both the engine at k and at k=0.",
-        "",
-        "Tokens/fwd ÷ i.i.d.: the measured tokens per target forward over the (1 − α^(k+1))/(1 − α) that S assumes "
-        "(acceptance is correlated, and max_tokens cuts the last step: \"uncut\" counts only the steps it did not cut). "
-        "measured/S(v, tokens): S with both v and tokens per forward measured, i.e. what is left for the loop; "
-        "measured/analytic = tokens/fwd ÷ i.i.d. × (k·c + 1)/(k·c + v) × measured/S(v, tokens). "
-        "Full batch: the same ratio over only the steps that ran a full batch, their draft and target time only "
-        "(a loaded server's steady state: no drain at the end of the workload, no prefill). "
-        "Loop share: the engine's time outside draft and target forwards and prefill (its bookkeeping). "
-        "1st round ÷ median: far above 1 means the first round paid a warm-up the median leaves out.",
+        *(["", *LEGEND] if legend else []),
         "",
         "| batch | k | α | tokens/target fwd | tokens/fwd ÷ i.i.d. | uncut ÷ i.i.d. | rows/step | analytic S | (c)/(a) | (c)/(b) | (c)/(b, k matched) | "
         "measured/analytic | v | S(v) | measured/S(v) | measured/S(v, tokens) | measured/analytic, no prefill | "
@@ -121,9 +129,7 @@ def summary_table(report: dict, title: str) -> str:
     autos = [(name, s["auto"]) for name, s in report["summary"].items() if "auto" in s]  # reports since "auto"
     if autos:
         rows += [
-            "",
-            "k = auto: the engine choosing k each step from calibrated forward costs and the acceptance it "
-            "measures (osd_serve/auto_k.py), against every fixed k of the same run.",
+            *(["", AUTO_LEGEND] if legend else []),
             "",
             "| batch | auto tok/s | ÷ best k | ÷ k=1..K | full batch ÷ best k | steps at each k | (c)/(a) | (c)/(b) | outputs = target |",
             "|---|---|---|---|---|---|---|---|---|",
@@ -142,8 +148,12 @@ def summary_table(report: dict, title: str) -> str:
 def main(paths: list[str]) -> None:
     from pathlib import Path
 
+    # Several reports (benchmarks/ENGINE.md renders 13): their shared legends once, above them all
+    legend = len(paths) == 1
+    if not legend:
+        print("\n".join(["## Column legends", "", *LEGEND, "", AUTO_LEGEND]), end="\n\n")
     for path in paths:
-        print(summary_table(json.loads(Path(path).read_text()), Path(path).stem), end="\n\n")
+        print(summary_table(json.loads(Path(path).read_text()), Path(path).stem, legend), end="\n\n")
 
 
 if __name__ == "__main__":

@@ -135,6 +135,31 @@ def test_summary_table_puts_each_number_in_its_column(report):
     assert cells[8:10] == ["2.50", "1.25"] and cells[11] == f"{_s(2 / 3, 2, 0.1):.2f}"
 
 
+def test_several_reports_print_the_shared_legends_once(report, tmp_path, capsys):
+    """benchmarks/ENGINE.md renders 13 reports: each repeated the same column legends (6 lines), which
+    pushed the file past 500 lines. One report keeps them; several get them once, above all tables,
+    and lose none of their rows."""
+    import json
+
+    from osd_serve.bench_report import AUTO_LEGEND, LEGEND, main
+
+    alone = summary_table(report, "t")
+    assert all(text in alone for text in [*LEGEND, AUTO_LEGEND] if text)
+    bare = summary_table(report, "t", legend=False)
+    assert not any(text in bare for text in [*LEGEND, AUTO_LEGEND] if text)
+    assert [ln for ln in bare.splitlines() if ln.startswith("|")] == [ln for ln in alone.splitlines() if ln.startswith("|")]
+    paths = []
+    for name in ("one", "two"):
+        (path := tmp_path / f"{name}.json").write_text(json.dumps(report))
+        paths.append(str(path))
+    main(paths)
+    both = capsys.readouterr().out
+    assert all(both.count(text) == 1 for text in [*LEGEND, AUTO_LEGEND] if text)
+    assert all(summary_table(report, name, legend=False) in both for name in ("one", "two"))
+    main(paths[:1])
+    assert capsys.readouterr().out.strip() == summary_table(report, "one").strip()
+
+
 def test_full_batch_auto_is_compared_with_the_fastest_fixed_k(report):
     """Full-batch tok/s counts draft + target time only: k=1 8 tok/s, k=2 (and auto, which ran k=2's
     steps here) 16 / 2.8; "auto ÷ best k" divides by the fastest fixed k, not the slowest."""
