@@ -149,7 +149,7 @@ def main(paths: list[str]) -> None:
     from pathlib import Path
 
     # Several reports (benchmarks/ENGINE.md renders 13): their shared legends once, above them all
-    legend = len(paths) == 1
+    legend = len(paths) < 2  # none: nothing to print, legends included
     if not legend:
         print("\n".join(["## Column legends", "", *LEGEND, "", AUTO_LEGEND]), end="\n\n")
     for path in paths:
