@@ -16,13 +16,12 @@ import functools
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.rounds import interleaved, load_for, pair_args  # noqa: E402
-from osd_serve.bench import mismatches  # noqa: E402
+from osd_serve.bench import mismatches, timed  # noqa: E402
 from osd_serve.cli import _read_prompts  # noqa: E402
 from osd_serve.config import EngineConfig, SamplingParams  # noqa: E402
 from osd_serve.engine import SpecEngine  # noqa: E402
@@ -34,9 +33,8 @@ def _run(target, draft, tok, prompts, batch: int, k: int, ahead: bool) -> dict:
     prefill = eng._prefill
     eng._prefill = lambda new, room: (calls.append(len(new)), prefill(new, room))[1]  # counts forwards only
     stats: list = []
-    t0 = time.perf_counter()
-    outs = eng.generate(prompts, SamplingParams(max_tokens=64, num_speculative_tokens=k, ignore_eos=True), stats=stats)
-    wall = time.perf_counter() - t0
+    params = SamplingParams(max_tokens=64, num_speculative_tokens=k, ignore_eos=True)
+    outs, wall = timed(lambda: eng.generate(prompts, params, stats=stats))
     return {"tok_s": sum(len(o.token_ids) for o in outs) / wall, "prefill_s": sum(s.prefill_time for s in stats),
             "prefill_forwards": len(calls), "outputs": [o.token_ids for o in outs]}
 
