@@ -41,16 +41,6 @@ def _local_path(v: str | None) -> bool:
     return v is not None and v.startswith(("/", ".", "~"))
 
 
-def _not_a_hub_id(v: str) -> str | None:
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    try:
-        validate_repo_id(v)
-    except HFValidationError as e:
-        return str(e).split(": '")[0].rstrip(".")  # its reason, without the id echoed back
-    return None
-
-
 # Files and folders of versions_dir/<app>/ that are not an expert's store (deployments/distiller.py)
 RESERVED_NAMES = ("controller.json", "ray_train", "replicas")
 
@@ -200,13 +190,15 @@ class AppConfig(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> "AppConfig":
+        from osd_serve.loading import not_a_hub_id
+
         if (self.target is None) != (self.draft is None):
             raise ValueError("give both target and draft, or neither for the embedded default pair")
         for key in ("target", "draft"):
             v = getattr(self, key)
             if _local_path(v) and not Path(os.path.expanduser(v)).is_dir():
                 raise ValueError(f"{key}: {v!r} is not a directory (give a model directory or a hub id)")
-            if v is not None and not _local_path(v) and not Path(v).is_dir() and (why := _not_a_hub_id(v)):
+            if v is not None and not _local_path(v) and not Path(v).is_dir() and (why := not_a_hub_id(v)):
                 # "models/llama/target" (a relative path without ./, not there): the replica blamed the Hub
                 raise ValueError(f"{key}: {v!r} is neither a directory nor a hub id ({why})")
         names = [e.name for e in self.experts]

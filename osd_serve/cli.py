@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from .config import AUTO, MAX_LOGPROBS, MAX_SPECULATIVE_TOKENS, SEED_RANGE
-from .corpus import lone_surrogate
+from .corpus import lone_surrogate, numbered_lines
 
 MAX_THREADS = 4096  # torch.set_num_threads takes a C int: 2**31 failed with "Overflow when unpacking long"
 
@@ -83,18 +83,15 @@ def _read_numbered(path: str, field: str = "prompt") -> list[tuple[int, str]]:
     """[(line number, prompt)]: errors found later (a prompt too long for the pair) name the line."""
     prompts = []
     try:
-        # Bytes, decoded line by line: a text stream decodes 8 KB blocks, so its error named no line.
-        with open(path, "rb") as f:
-            for n, raw in enumerate(f, 1):
-                try:
-                    # utf-8-sig: an editor's BOM is not part of the first record (as replay and bootstrap read files)
-                    line = raw.decode("utf-8-sig" if n == 1 else "utf-8")
-                except UnicodeDecodeError as e:
-                    raise SystemExit(f"error: {path}: not UTF-8 text (line {n}: {e.reason})") from None
-                if line.strip():
-                    prompts.append((n, _prompt_field(line, path, n, field)))
+        # As replay and bootstrap read files: an editor's BOM dropped, \r and \r\n line ends (read as bytes
+        # split on \n, a file of \r line ends was one line: "not valid JSON (Extra data)")
+        for n, line in numbered_lines(path):
+            if line.strip():
+                prompts.append((n, _prompt_field(line, path, n, field)))
     except OSError as e:  # missing, a directory, unreadable: said as the file's problem, not errno's
         raise SystemExit(f"error: prompts file {path}: {e.strerror or e}") from None
+    except ValueError as e:  # not UTF-8, naming the line
+        raise SystemExit(f"error: {e}") from None
     if not prompts:
         raise SystemExit(f"error: {path} holds no prompts")
     return prompts
@@ -127,9 +124,16 @@ def _check_seed_range(seed: int | None, n: int) -> None:
                          f"({n} prompts) is not below 2**63")
 
 
+def _model_name(text: str) -> str:
+    # "" (an unset shell variable) read as "not given" and ran, or on a fresh machine built, the default pair
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty (leave --target and --draft out for the embedded default pair)")
+    return text
+
+
 def _pair_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", help="target model: local directory or hub id (default: the embedded default pair)")
-    p.add_argument("--draft", help="draft model: local directory or hub id (default: the embedded default pair)")
+    p.add_argument("--target", type=_model_name, help="target model: local directory or hub id (default: the embedded default pair)")
+    p.add_argument("--draft", type=_model_name, help="draft model: local directory or hub id (default: the embedded default pair)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     p.add_argument("--draft-dtype", default="auto",
                    help="auto (the target's, except float32 under a half-precision target on CPU) | float32 | bfloat16 | float16")

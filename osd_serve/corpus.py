@@ -91,29 +91,36 @@ def record_where(path: str, n: int) -> str:
 _BAD_BYTE = re.compile("[\udc80-\udcff]")  # what surrogateescape decodes an undecodable byte to
 
 
+def numbered_lines(path: str, opener=open) -> Iterator[tuple[int, str]]:
+    """(n, line) of a UTF-8 text file opened with ``opener`` (gzip.open for .gz), n from 1; a leading BOM is
+    dropped. Text mode, so \\r and \\r\\n end lines as \\n does. surrogateescape: a bad byte becomes a lone
+    surrogate of its line, so the ValueError names the line (a strict text stream decodes 8 KB blocks and
+    named none)."""
+    with opener(path, "rt", encoding="utf-8-sig", errors="surrogateescape") as f:
+        for n, line in enumerate(f, 1):
+            if _BAD_BYTE.search(line):
+                try:
+                    line.encode("utf-8", "surrogateescape").decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise ValueError(f"{path}: not UTF-8 text (line {n}: {e.reason})") from None
+            yield n, line
+
+
 def numbered_records(path: str) -> Iterator[tuple[int, object]]:
     """(n, record) as read_records: n is the line of a .jsonl, the 1-based index in a .json array."""
     name = path.lower()
     try:
         if name.endswith((".jsonl", ".jsonl.gz")):
-            # surrogateescape: a bad byte becomes a lone surrogate of its line, so the error names the line
-            # (a strict text stream decodes blocks and named none); text mode keeps \r and \r\n line ends.
-            with (gzip.open if name.endswith(".gz") else open)(path, "rt", encoding="utf-8-sig", errors="surrogateescape") as f:
-                for n, line in enumerate(f, 1):
-                    if _BAD_BYTE.search(line):
-                        try:
-                            line.encode("utf-8", "surrogateescape").decode("utf-8")
-                        except UnicodeDecodeError as e:
-                            raise ValueError(f"{path}: not UTF-8 text (line {n}: {e.reason})") from None
-                    if line.strip():
-                        try:
-                            yield n, json.loads(line)
-                        except json.JSONDecodeError as e:
-                            raise ValueError(f"{path}:{n}: not valid JSON ({e.msg}, column {e.colno})") from None
-                        except ValueError as e:  # an integer of over 4300 digits: no JSONDecodeError, no line
-                            raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
-                        except RecursionError:  # json's decoder recurses per level: a traceback, naming no line
-                            raise ValueError(f"{path}:{n}: JSON nested too deeply") from None
+            for n, line in numbered_lines(path, gzip.open if name.endswith(".gz") else open):
+                if line.strip():
+                    try:
+                        yield n, json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{path}:{n}: not valid JSON ({e.msg}, column {e.colno})") from None
+                    except ValueError as e:  # an integer of over 4300 digits: no JSONDecodeError, no line
+                        raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
+                    except RecursionError:  # json's decoder recurses per level: a traceback, naming no line
+                        raise ValueError(f"{path}:{n}: JSON nested too deeply") from None
         elif name.endswith(".json"):
             with open(path, encoding="utf-8-sig") as f:
                 try:

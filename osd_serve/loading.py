@@ -118,15 +118,29 @@ def _is_local(name: str) -> bool:
     return Path(name).expanduser().is_dir()
 
 
+def not_a_hub_id(name: str) -> str | None:
+    """Why ``name`` cannot be a Hugging Face Hub id (huggingface_hub's own rule), or None if it can be."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError as e:
+        return str(e).split(": '")[0].rstrip(".")  # its reason, without the id echoed back
+    return None
+
+
 def _load_error(name: str, role: str, err: Exception) -> ValueError:
     """A ValueError naming the model and its role. transformers reports a hub id it could not resolve
     or fetch as an OSError; any other error (an unknown architecture, corrupt weights, a missing
     package) is the model's own, and is passed on rather than blamed on the network."""
     if _is_local(name):
         return ValueError(f"{role} model directory {name!r} could not be loaded: {err}")
-    if name.startswith(("/", ".", "~")):  # written as a path (no hub id starts so): the Hub is not to blame
-        # it said "could not be fetched (... Repo id must use alphanumeric chars ...)" for a mistyped path
+    # Written as a path (no hub id starts so), or a file: the Hub is not to blame. It said "could not be
+    # fetched (... Repo id must use alphanumeric chars ...)" for a mistyped path and for a model's config.json.
+    if name.startswith(("/", ".", "~")) or os.path.exists(name):
         return ValueError(f"{role} model directory {name!r} {'is not a directory' if os.path.exists(name) else 'does not exist'}")
+    if why := not_a_hub_id(name):  # "models/llama/draft", a relative path that is not there
+        return ValueError(f"{role} model {name!r} is neither a local directory nor a hub id ({why})")
     if not isinstance(err, OSError):
         return ValueError(f"{role} model {name!r} could not be loaded: {err}")
     from huggingface_hub import constants

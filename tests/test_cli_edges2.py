@@ -203,7 +203,7 @@ def test_replay_out_that_is_a_file_fails_before_loading(tmp_path, monkeypatch, c
     assert f"--out {f} is not a directory" in _error(["replay", "--data", data, "--out", str(f)], capsys)
 
 
-def test_a_mistyped_model_path_is_not_blamed_on_the_hub(tmp_path):
+def test_a_mistyped_model_path_is_not_blamed_on_the_hub(tmp_path, monkeypatch):
     """'/no/such/target' was reported as a hub id that could not be fetched ("Repo id must use alphanumeric
     chars ..."), though no hub id starts with '/'."""
     from osd_serve.loading import _load_error
@@ -212,6 +212,12 @@ def test_a_mistyped_model_path_is_not_blamed_on_the_hub(tmp_path):
     assert err == "target model directory '/no/such/target' does not exist"
     (tmp_path / "w.safetensors").write_bytes(b"")
     assert "is not a directory" in str(_load_error(str(tmp_path / "w.safetensors"), "draft", OSError("x")))
+    # relative: a file, and a path that is no hub id (more than one '/'), were blamed on the Hub too
+    monkeypatch.chdir(tmp_path)
+    assert str(_load_error("w.safetensors", "draft", OSError("x"))) == "draft model directory 'w.safetensors' is not a directory"
+    err = str(_load_error("models/llama/draft", "draft", OSError("Repo id must be in the form")))
+    assert err.startswith("draft model 'models/llama/draft' is neither a local directory nor a hub id (Repo id must")
+    assert "could not be fetched" in str(_load_error("org/model", "draft", OSError("We couldn't connect")))
 
 
 def _fake_build(out, data_files, cfg, preset):

@@ -203,6 +203,29 @@ def test_generate_reads_a_prompts_file_with_a_bom(tmp_path):
     assert cli._read_prompts(str(bom)) == ["hello"]
 
 
+@pytest.mark.parametrize("end", ["\r", "\r\n", "\n"])
+def test_generate_reads_any_line_end_and_names_lines_by_it(end, tmp_path, capsys):
+    """Read as bytes split on \\n, a file of \\r line ends was one line: "not valid JSON (Extra data)",
+    though replay and bootstrap read it (corpus.numbered_lines)."""
+    f = tmp_path / "p.jsonl"
+    f.write_bytes(end.join(['{"prompt": "a"}', "", '{"prompt": "b"}', ""]).encode())
+    assert cli._read_numbered(str(f)) == [(1, "a"), (3, "b")]
+    f.write_bytes(end.join(['{"prompt": "a"}', '{"prompt": "caf\xe9"}']).encode("latin-1"))
+    assert f"{f}: not UTF-8 text (line 2" in _error(["generate", "--prompts", str(f)], capsys)
+
+
+@pytest.mark.parametrize("argv", [["generate", "--prompts", "P", "--target", "", "--draft", ""],
+                                  ["bench", "--target", " ", "--draft", "d"], ["replay", "--data", "P", "--out", "OUT", "--draft", ""]])
+def test_an_empty_model_name_is_refused_not_read_as_the_default_pair(argv, tmp_path, monkeypatch, capsys):
+    """--target "" --draft "" (unset shell variables) ran the default pair, building it on a fresh machine."""
+    import osd_serve.bootstrap as bootstrap
+
+    monkeypatch.setattr(bootstrap, "build_pair", lambda *a, **kw: pytest.fail("the default pair was used"))
+    prompts = _jsonl(tmp_path / "p.jsonl", ["hello"])
+    argv = [prompts if a == "P" else str(tmp_path / "run") if a == "OUT" else a for a in argv]
+    assert "must not be empty" in _error(argv, capsys)
+
+
 def test_generate_names_a_prompts_file_that_is_not_utf8(tmp_path, capsys):
     latin = tmp_path / "latin.jsonl"
     latin.write_bytes(b'{"prompt": "caf\xe9"}\n')
