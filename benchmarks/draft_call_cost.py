@@ -1,6 +1,6 @@
 """What one draft forward costs, and whether a cheap lever lowers it: the evidence behind c on CPU.
 
-The default pair's draft (1 layer, 1.23M parameters) does ~10 MFLOP per row, yet one forward costs
+The default pair's draft (1 layer, 1.23M parameters) does ~2.5 MFLOP per row, yet one forward costs
 ~0.1 of the 30M-parameter target's (``osd-serve bench``'s c): it is bound by per-call work (Python,
 module dispatch, mask and rotary set-up), not by its arithmetic. This times one draft forward
 appending 1 token per row to a cache, as ``osd-serve bench`` times c (``osd_serve.bench.forward_cost``),
@@ -8,7 +8,8 @@ for the draft as the engine runs it and for three variants, in interleaved round
 
   packed    its linears on kernels/cpu_linear.py (oneDNN prepacked weights, cpu_skinny.cpp), as the target's;
   1 thread  torch.set_num_threads(1) around the forward (thread hand-off per small op);
-  compiled  torch.compile(dynamic=True) of the draft (--compile; its first calls compile, ~1 min, untimed).
+  compiled  torch.compile(dynamic=True) of the draft (--compile; its first calls compile, ~1 min, untimed);
+  holes     the draft as the engine runs it, on a cache with holes (batch > 1; see holed_cost).
 
 It also reports the engine's own draft time per draft forward at k = --k (``StepStats.draft_time``
 over the draft forwards of a greedy run over the prompts, each proposing one token per row), which adds
@@ -29,9 +30,25 @@ import torch
 from tqdm import tqdm
 
 from kernels.cpu_linear import pack_linears
+from osd_serve.auto_k import timed_forward
 from osd_serve.bench import code_version, cpu_info, engine_run, forward_cost
 from osd_serve.cli import _read_prompts
+from osd_serve.kv import BatchKV
 from osd_serve.loading import ModelConfig, load_pair
+
+
+@torch.inference_mode()
+def holed_cost(model, batch: int, context: int, vocab: int, device, repeats: int = 30) -> float:
+    """forward_cost on a cache with holes, as the engine's at batch > 1 (rows keep different numbers of
+    drafts): every other row's prompt is a quarter shorter, right-padded, so its padding stays as holes
+    and every forward passes a 2D mask, which transformers turns into a 4D one."""
+    kv = BatchKV(model, batch, device)
+    ctx = torch.randint(0, vocab, (batch, context), generator=torch.Generator().manual_seed(0)).to(device)  # [B, ctx]
+    valid = torch.ones_like(ctx, dtype=torch.bool)  # [B, ctx]
+    valid[1::2, context - context // 4:] = False
+    kv.forward(ctx, valid, keep=1)
+    times = [timed_forward(kv, 1, vocab) for _ in range(repeats + 3)]
+    return statistics.median(times[3:])
 
 
 def one_thread(fn):
@@ -74,6 +91,8 @@ def main() -> None:
     for b in sizes:
         runs |= {(b, name): cost(m, b) for name, m in models.items()}
         runs[(b, "1 thread")] = one_thread(cost(draft, b))
+        if b > 1:  # at batch 1 a rejection only crops the cache: no holes
+            runs[(b, "holes")] = lambda b=b: holed_cost(draft, b, args.context, vocab, device)
         runs[(b, "target")] = cost(target, b)
     for (b, name), run in runs.items():
         if name == "compiled":
