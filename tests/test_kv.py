@@ -289,3 +289,37 @@ def test_select_keeps_the_chosen_rows_and_compacts_when_the_long_ones_leave(tok)
     assert all(torch.equal(_row_cache(kv, i, 1), w) for i, w in enumerate(want))
     kv.select(torch.tensor([1]), compact_above=1.0)  # 1.0: never compact, but the leading holes (the row that left) go
     assert kv.length.tolist() == [3] and kv.width == 3 and torch.equal(_row_cache(kv, 0, 1), want[1])
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_hole_mask_on_sdpa_gives_the_logits_of_transformers_own_mask(tok, arch):
+    """On SDPA a cache with holes gets a 4D mask built here (BatchKV._hole_mask) instead of the 2D one
+    transformers turns into 4D at every forward: the logits must be those of the 2D mask, for one input
+    per row (a draft step) and for several with padding (a verification where rows' k differ)."""
+    from tests.conftest import gpt2
+
+    model = (llama if arch == "llama" else gpt2)(len(tok), layers=2, seed=11)
+    ours, theirs = BatchKV(model, 3, torch.device("cpu")), BatchKV(model, 3, torch.device("cpu"))
+    theirs._hole_mask = lambda mask, t: mask.long()  # the 2D mask, as transformers takes it
+    built = []
+    own = ours._hole_mask
+    ours._hole_mask = lambda mask, t: built.append(own(mask, t)) or built[-1]
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, len(tok), (3, 9), generator=g)  # [3, 9]
+    valid = torch.ones(3, 9, dtype=torch.bool)
+    valid[0, 4:], valid[2, 7:] = False, False  # right-padded prompts: holes from the start
+    # a draft step; a verification with k = 2, 0, 1, rolled back to fewer tokens; a step on the rolled-back rows
+    steps = [(torch.ones(3, 1, dtype=torch.bool), None),
+             (torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0]]).bool(), torch.tensor([6, 11, 9])),
+             (torch.ones(3, 1, dtype=torch.bool), None)]
+    with torch.inference_mode():
+        for kv in (ours, theirs):
+            kv.forward(ids, valid, keep=1)
+        for step_valid, keep in steps:
+            x = torch.randint(3, len(tok), step_valid.shape, generator=g)  # [3, T]
+            a, b = ours.forward(x, step_valid), theirs.forward(x, step_valid)  # [3, T, V]
+            assert torch.allclose(a[step_valid], b[step_valid], atol=1e-6), (arch, step_valid.shape)
+            if keep is not None:
+                for kv in (ours, theirs):
+                    kv.truncate(keep)
+    assert [m.dim() for m in built] == [4, 4, 4, 4] and built[2].shape == (3, 1, 3, 13)
