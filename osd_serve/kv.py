@@ -287,10 +287,11 @@ class BatchKV:
         """The attention mask for key columns ``mask`` [B, P+T] (False: a hole or padding) and T inputs.
 
         On SDPA, the 4D bool mask transformers would build from the 2D one (a key is seen when valid and at
-        or before the query's column), in at most three ops: transformers' mask functions cost 9-11% of
-        the default draft's forward at batch 8 (benchmarks/draft_call_cost.py, "holes"), at every draft
-        forward of a batch with holes. Other attention takes the 2D mask: eager adds a float mask, and
-        flash-attention-2 unpads rows by a 2D one.
+        or before the query's column), in at most three ops. Given the 2D mask, transformers builds it in
+        every forward: a cache with holes made the default draft's forward at batch 8 cost 1.09-1.11x one
+        without (benchmarks/draft_call_cost.py, "holes"), and this cut the engine's draft time there to
+        0.89-0.98x (benchmarks/hole_mask.py). Other attention takes the 2D mask: eager adds a float mask,
+        and flash-attention-2 unpads rows by a 2D one.
         returns [B, 1, T, P+T] bool on SDPA, else [B, P+T] int64."""
         if getattr(self.model.config, "_attn_implementation", None) != "sdpa":
             return mask.long()
