@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import functools
 import json
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.rounds import interleaved, load_for, pair_args  # noqa: E402
+from benchmarks.rounds import ab_args, load_for, on_off_by_k, pair_prompts  # noqa: E402
 from osd_serve.bench import code_version, mismatches, timed  # noqa: E402
-from osd_serve.cli import _read_prompts  # noqa: E402
 from osd_serve.config import EngineConfig, SamplingParams  # noqa: E402
 from osd_serve.engine import SpecEngine  # noqa: E402
 from osd_serve.kv import BatchKV  # noqa: E402
@@ -49,23 +47,15 @@ def _run(target, draft, tok, prompts, batch: int, k: int, four_d: bool) -> dict:
 
 
 def main() -> None:
-    ap = pair_args(__doc__.split("\n\n")[0], rounds=3)
-    ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 8])
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--batch", type=int, default=8)
-    args = ap.parse_args()
+    args = ab_args(__doc__.split("\n\n")[0], ks=[1, 2, 4, 8]).parse_args()
     target, draft, tok = load_for(args)
-    prompts = [tok(p)["input_ids"] for p in _read_prompts(str(Path(args.pair) / "prompts.jsonl"))[: args.prompts]]
-    runs = {f"{k}/{v}": functools.partial(_run, target, draft, tok, prompts, args.batch, k, v)
-            for k in args.ks for v in (True, False)}
-    got = interleaved(runs, args.rounds)
+    prompts = pair_prompts(args.pair, tok, args.prompts)
     rows = []
-    for k in args.ks:
-        new, old = got[f"{k}/True"], got[f"{k}/False"]
-        med = {name: {key: statistics.median(x[key] for x in r) for key in KEYS} for name, r in (("4d", new), ("2d", old))}
-        row = {"k": k, **{f"{name}_{key}": round(v, 4) for name, m in med.items() for key, v in m.items()},
-               **{f"{key}_4d_over_2d": round(med["4d"][key] / med["2d"][key], 3) for key in KEYS},
-               "4d_vs_2d_outputs": [mismatches(target, prompts, a["outputs"], b["outputs"]) for a, b in zip(new, old)]}
+    run = functools.partial(_run, target, draft, tok, prompts, args.batch)
+    for k, (new, old, new_runs, old_runs) in on_off_by_k(run, args.ks, args.rounds, KEYS).items():
+        row = {"k": k, **{f"{name}_{key}": round(v, 4) for name, m in (("4d", new), ("2d", old)) for key, v in m.items()},
+               **{f"{key}_4d_over_2d": round(new[key] / old[key], 3) for key in KEYS},
+               "4d_vs_2d_outputs": [mismatches(target, prompts, a["outputs"], b["outputs"]) for a, b in zip(new_runs, old_runs)]}
         rows.append(row)
         print(json.dumps({key: v for key, v in row.items() if key != "4d_vs_2d_outputs"}), flush=True)
     if args.out:

@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import functools
 import json
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.rounds import interleaved, load_for, pair_args  # noqa: E402
+from benchmarks.rounds import ab_args, load_for, on_off_by_k, pair_prompts  # noqa: E402
 from osd_serve.bench import mismatches, timed  # noqa: E402
-from osd_serve.cli import _read_prompts  # noqa: E402
 from osd_serve.config import EngineConfig, SamplingParams  # noqa: E402
 from osd_serve.engine import SpecEngine  # noqa: E402
 
@@ -40,23 +38,14 @@ def _run(target, draft, tok, prompts, batch: int, k: int, ahead: bool) -> dict:
 
 
 def main() -> None:
-    ap = pair_args(__doc__.split("\n\n")[0], rounds=3)
-    ap.add_argument("--ks", type=int, nargs="+", default=[0, 2, 5])
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--batch", type=int, default=8)
-    args = ap.parse_args()
+    args = ab_args(__doc__.split("\n\n")[0], ks=[0, 2, 5]).parse_args()
     target, draft, tok = load_for(args)
-    prompts = [tok(p)["input_ids"] for p in _read_prompts(str(Path(args.pair) / "prompts.jsonl"))[: args.prompts]]
-    runs = {f"{k}/{on}": functools.partial(_run, target, draft, tok, prompts, args.batch, k, on)
-            for k in args.ks for on in (True, False)}
-    got = interleaved(runs, args.rounds)
+    prompts = pair_prompts(args.pair, tok, args.prompts)
     rows = []
-    for k in args.ks:
-        on, off = got[f"{k}/True"], got[f"{k}/False"]
-        med = {name: {key: statistics.median(x[key] for x in r) for key in ("tok_s", "prefill_s", "prefill_forwards")}
-               for name, r in (("on", on), ("off", off))}
-        row = {"k": k, **{f"{name}_{key}": round(v, 4) for name, m in med.items() for key, v in m.items()},
-               "tok_s_on_over_off": round(med["on"]["tok_s"] / med["off"]["tok_s"], 3),
+    run = functools.partial(_run, target, draft, tok, prompts, args.batch)
+    for k, (m_on, m_off, on, off) in on_off_by_k(run, args.ks, args.rounds, ("tok_s", "prefill_s", "prefill_forwards")).items():
+        row = {"k": k, **{f"{name}_{key}": round(v, 4) for name, m in (("on", m_on), ("off", m_off)) for key, v in m.items()},
+               "tok_s_on_over_off": round(m_on["tok_s"] / m_off["tok_s"], 3),
                # on against off, each round: a difference must split at a near-tie (bf16 rows batched otherwise)
                "on_vs_off_outputs": [mismatches(target, prompts, a["outputs"], b["outputs"]) for a, b in zip(on, off)]}
         rows.append(row)

@@ -4,6 +4,7 @@ runs timed in interleaved rounds, so drift of a shared machine hits every varian
 from __future__ import annotations
 
 import argparse
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -49,3 +50,27 @@ def interleaved(runs: dict[str, Callable[[], T]], rounds: int, warmup: bool = Tr
             if r >= warmup:
                 out[label].append(res)
     return out
+
+
+def ab_args(description: str, ks: list[int]) -> argparse.ArgumentParser:
+    """pair_args plus what an on/off comparison per k on the bench's batch workload takes (--ks, --prompts, --batch)."""
+    ap = pair_args(description, rounds=3)
+    ap.add_argument("--ks", type=int, nargs="+", default=ks)
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=8)
+    return ap
+
+
+def pair_prompts(pair: str | Path, tok, n: int) -> list[list[int]]:
+    """The token ids of the first ``n`` prompts of a bootstrap pair's prompts.jsonl."""
+    from osd_serve.cli import _read_prompts
+
+    return [tok(p)["input_ids"] for p in _read_prompts(str(Path(pair) / "prompts.jsonl"))[:n]]
+
+
+def on_off_by_k(run: Callable[[int, bool], dict], ks: list[int], rounds: int, keys) -> dict[int, tuple]:
+    """``run(k, on)`` for every k with the variant on and off, in interleaved rounds. Per k: (medians of
+    ``keys`` on, the same off, the runs on, the runs off)."""
+    got = interleaved({f"{k}/{on}": (lambda k=k, on=on: run(k, on)) for k in ks for on in (True, False)}, rounds)
+    med = lambda rs: {key: statistics.median(r[key] for r in rs) for key in keys}  # noqa: E731
+    return {k: (med(got[f"{k}/True"]), med(got[f"{k}/False"]), got[f"{k}/True"], got[f"{k}/False"]) for k in ks}
