@@ -24,17 +24,20 @@ import argparse
 import copy
 import json
 import statistics
+import sys
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from kernels.cpu_linear import pack_linears
-from osd_serve.auto_k import timed_forward
-from osd_serve.bench import code_version, cpu_info, engine_run, forward_cost
-from osd_serve.cli import _read_prompts
-from osd_serve.kv import BatchKV
-from osd_serve.loading import ModelConfig, load_pair
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.rounds import load_pair_dir  # noqa: E402
+from kernels.cpu_linear import pack_linears  # noqa: E402
+from osd_serve.auto_k import timed_forward  # noqa: E402
+from osd_serve.bench import code_version, cpu_info, engine_run, forward_cost  # noqa: E402
+from osd_serve.cli import _read_prompts  # noqa: E402
+from osd_serve.kv import BatchKV  # noqa: E402
 
 
 @torch.inference_mode()
@@ -76,8 +79,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    target, draft, tok = load_pair(ModelConfig(target=str(args.pair / "target"), draft=str(args.pair / "draft"),
-                                               dtype=args.dtype))
+    target, draft, tok = load_pair_dir(args.pair, args.dtype)
     device, vocab = next(target.parameters()).device, target.get_output_embeddings().weight.shape[0]
     packed = copy.deepcopy(draft)
     n_packed = pack_linears(packed)
