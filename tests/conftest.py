@@ -92,6 +92,20 @@ def perturbed(model, noise: float, seed: int = 1):
     return d
 
 
+def save_pair_dir(out, prompts, seed: int):
+    """A directory laid out as `osd-serve bootstrap` writes one (target/, draft/, prompts.jsonl): a tiny Llama
+    target of the char tokenizer and a perturbed draft, for benchmarks that load a pair by its directory."""
+    import json
+
+    tok = char_tokenizer()
+    target = llama(len(tok), seed=seed)
+    for name, m in (("target", target), ("draft", perturbed(target, 0.05))):
+        m.save_pretrained(out / name)
+        tok.save_pretrained(out / name)
+    (out / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    return out
+
+
 @pytest.fixture(scope="session")
 def tok():
     return char_tokenizer()

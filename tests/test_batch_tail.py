@@ -7,21 +7,15 @@ import sys
 import pytest
 
 from benchmarks import batch_tail
-from tests.conftest import char_tokenizer, llama, perturbed
+from tests.conftest import save_pair_dir
 
 PROMPTS = ("def f(x):", "select a from", "x = 1", "import os", "for i in", "class A:")
 
 
 @pytest.fixture(scope="module")
 def pair_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tailpair")
-    tok = char_tokenizer()
-    target = llama(len(tok), seed=4)  # its greedy outputs of PROMPTS reach no <eos>: each runs its 64 tokens
-    for name, m in (("target", target), ("draft", perturbed(target, 0.05))):
-        m.save_pretrained(out / name)
-        tok.save_pretrained(out / name)
-    (out / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
-    return out
+    # seed 4: the target's greedy outputs of PROMPTS reach no <eos>, so each request runs its 64 tokens
+    return save_pair_dir(tmp_path_factory.mktemp("tailpair"), PROMPTS, seed=4)
 
 
 def test_each_run_is_split_into_full_steps_tail_prefill_and_the_rest(pair_dir, tmp_path, monkeypatch):

@@ -10,21 +10,14 @@ from pathlib import Path
 import pytest
 
 from benchmarks import gpu_ab
-from tests.conftest import char_tokenizer, llama, perturbed
+from tests.conftest import save_pair_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    out = tmp_path_factory.mktemp("abpair")
-    tok = char_tokenizer()
-    target = llama(len(tok), seed=3)
-    for name, m in (("target", target), ("draft", perturbed(target, 0.05))):
-        m.save_pretrained(out / name)
-        tok.save_pretrained(out / name)
-    (out / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("def f(x):", "select a from")))
-    return out
+    return save_pair_dir(tmp_path_factory.mktemp("abpair"), ("def f(x):", "select a from"), seed=3)
 
 
 def test_two_trees_each_import_their_own_code_and_are_timed_per_round(pair, tmp_path, capsys):
